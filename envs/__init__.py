@@ -1,0 +1,39 @@
+"""Environments: every env is a vector env with torch tensors in and out on the run's device.
+
+Interface (all families): `num_envs`, `device`, `single_observation_space`, `single_action_space`,
+`obs_dtype`, `reset(seed=None) -> obs`, `step(action) -> TensorDict` with keys next_obs, final_obs,
+reward, terminated, truncated, episode_return, episode_length (gymnasium's SAME_STEP autoreset:
+next_obs is already reset where the episode ended, final_obs is the true last obs),
+`state_dict()`, `load_state_dict(sd)`, `close()`.
+"""
+import re
+
+import gymnasium
+import torch
+
+SUPPORTED = (
+    "Atari: 'ALE/<Game>-v5' or '<Game>NoFrameskip-v4', e.g. 'ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'; "
+    "gymnasium/MuJoCo: any registered id, e.g. 'HalfCheetah-v5', 'Hopper-v5', 'Pendulum-v1', 'CartPole-v1'; "
+    "on-device torch: 'torch/CartPole-v1', 'torch/Pendulum-v1'"
+)
+
+
+def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, **kwargs):
+    """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). kwargs go to the family:
+    Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
+    gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state)."""
+    device = torch.device(device)
+    if env_id.startswith("torch/"):
+        from .torch_envs import TORCH_ENVS
+
+        if env_id in TORCH_ENVS:
+            return TORCH_ENVS[env_id](num_envs, device, seed, **kwargs)
+    elif match := re.fullmatch(r"ALE/(\w+)-v5|(\w+)NoFrameskip-v4", env_id):
+        from .atari import AtariEnv
+
+        return AtariEnv(match[1] or match[2], num_envs, device, seed, **kwargs)
+    elif env_id in gymnasium.registry:
+        from .gym import GymEnv
+
+        return GymEnv(env_id, num_envs, device, seed, **kwargs)
+    raise ValueError(f"Unknown env id {env_id!r}. Supported families: {SUPPORTED}")

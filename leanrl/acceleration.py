@@ -1,0 +1,87 @@
+"""The LeanRL trick in one place: compile inside, CUDA graph outside, shapes guarded."""
+
+import functools
+import sys
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import CudaGraphModule
+
+_warned_no_cuda = False
+
+
+def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = 2,
+               compile_mode: str | None = None, name: str | None = None):
+    """Return `fn` compiled and/or captured in a CUDA graph; the only place the repo does either.
+
+    `compile` uses torch.compile's default mode, so the four modes (eager, compile, cudagraphs, both)
+    measure four distinct things. `cudagraphs` needs fixed shapes: every later call must pass tensors of
+    the shape, dtype and device of the first call, or a `ShapeChangeError` is raised (even on CPU, where
+    no graph is captured, so a run behaves the same on every machine).
+    """
+    name = name or getattr(fn, "__name__", "fn")
+    if compile:
+        fn = torch.compile(fn, mode=compile_mode)
+    if not cudagraphs:
+        return fn
+    if torch.device(device).type == "cuda":
+        fn = CudaGraphModule(fn, warmup=warmup, device=torch.device(device))
+    else:
+        _say_no_cuda_once()
+    return ShapeGuard(fn, name)
+
+
+def _say_no_cuda_once():
+    global _warned_no_cuda
+    if not _warned_no_cuda:
+        # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
+        print("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.", file=sys.stderr)
+        _warned_no_cuda = True
+
+
+class ShapeChangeError(ValueError):
+    """An input to a captured function changed shape, dtype or device."""
+
+
+def _spec(x):
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, x.device)
+    if isinstance(x, TensorDictBase):
+        return tuple(sorted(((k if isinstance(k, str) else ".".join(k)), _spec(v))
+                            for k, v in x.items(include_nested=True, leaves_only=True)))
+    return None  # non-tensor arguments are baked into the graph; CudaGraphModule documents this
+
+
+class ShapeGuard:
+    """Fix the input signature at the first call. CudaGraphModule silently broadcasts a smaller
+    input into the captured buffers (wrong results, no error); this raises instead."""
+
+    def __init__(self, fn, name):
+        self.fn, self.name, self.specs = fn, name, None
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        specs = [(n, _spec(a)) for n, a in named]
+        if self.specs is None:
+            self.specs = specs
+        elif specs != self.specs:
+            self._raise(specs)
+        return self.fn(*args, **kwargs)
+
+    def _raise(self, specs):
+        for (name, got), (_, want) in zip(specs, self.specs):
+            if got != want:
+                raise ShapeChangeError(
+                    f"{self.name}: {name} changed after capture: captured {_fmt(want)}, got {_fmt(got)}. "
+                    "A CUDA-graphed function needs inputs of fixed shape, dtype and device.")
+        raise ShapeChangeError(f"{self.name}: called with {len(specs)} arguments, captured with {len(self.specs)}.")
+
+
+def _fmt(spec):
+    if spec and isinstance(spec[0], tuple) and isinstance(spec[0][0], str):  # TensorDict
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in spec) + "}"
+    if spec is None:
+        return "a non-tensor"
+    shape, dtype, device = spec
+    return f"shape {list(shape)} {str(dtype).removeprefix('torch.')} on {device}"

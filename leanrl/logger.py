@@ -1,0 +1,116 @@
+"""Sync-free metrics: tensors stay on the device and reach the host once per log boundary."""
+
+import json
+import math
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+
+class Logger:
+    """Collects episode statistics and losses as device tensors; `flush` reads them in one transfer
+    and writes them to a tqdm bar, `metrics.jsonl` in the run directory, and wandb when tracked.
+
+    SPS is counted only after `burn_in` iterations, so compile and capture time never dilute it;
+    that time is reported on its own as `perf/warmup_time`.
+    """
+
+    def __init__(self, run_dir, config: dict, total_steps: int, *, track=False, wandb_mode="offline",
+                 wandb_project="leanrl", wandb_entity=None, run_name=None, burn_in: int = 2, start_step: int = 0,
+                 progress=True):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.burn_in = burn_in
+        self.iterations = 0
+        self.t_start = time.perf_counter()
+        self.t_steady = self.step_steady = None
+        self.warmup_time = None
+        self.pending: dict[str, torch.Tensor] = {}
+        self.episode_sums = None  # (return sum, length sum, count) of episodes ended since the last flush
+        self.last = {}
+        self.pbar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                         disable=not progress, mininterval=1.0)
+        self.step = start_step
+        self.wandb = None
+        if track:
+            import wandb
+            self.wandb = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config,
+                                    dir=run_dir, mode=wandb_mode, resume="allow")
+
+    def record_episodes(self, done: torch.Tensor, episode_return: torch.Tensor, episode_length: torch.Tensor):
+        """Accumulate ended episodes on the device; safe inside the hot loop."""
+        d = done.float()
+        sums = torch.stack([(episode_return * d).sum(), (episode_length * d).sum(), d.sum()])
+        self.episode_sums = sums if self.episode_sums is None else self.episode_sums + sums
+
+    def record(self, metrics: dict):
+        """Keep the latest value of each metric (tensors are detached, not read)."""
+        for k, v in metrics.items():
+            self.pending[k] = v.detach() if isinstance(v, torch.Tensor) else torch.as_tensor(float(v))
+
+    def end_iteration(self, global_step: int):
+        """Mark an iteration boundary; starts the SPS clock after burn-in."""
+        self.iterations += 1
+        self.step = global_step
+        if self.iterations == self.burn_in:
+            self._sync()
+            self.t_steady, self.step_steady = time.perf_counter(), global_step
+            self.warmup_time = self.t_steady - self.t_start
+
+    @property
+    def sps(self):
+        if self.t_steady is None or self.step == self.step_steady:
+            return None
+        return (self.step - self.step_steady) / (time.perf_counter() - self.t_steady)
+
+    def flush(self):
+        """The log boundary: one device-to-host transfer for everything recorded since the last flush."""
+        names = list(self.pending)
+        tensors = [self.pending[k].float().reshape(()) for k in names]
+        if self.episode_sums is not None:
+            tensors += list(self.episode_sums.float())
+        device = tensors[0].device if tensors else "cpu"
+        values = torch.stack([t.to(device) for t in tensors]).cpu().tolist() if tensors else []  # the one read
+        row = dict(zip(names, values))
+        if self.episode_sums is not None:
+            ret, length, count = values[-3:]
+            if count > 0:
+                row["charts/episodic_return"] = ret / count
+                row["charts/episodic_length"] = length / count
+            self.episode_sums = None
+        self.pending.clear()
+        bad = [k for k, v in row.items() if k.startswith("losses/") and not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(f"non-finite {', '.join(bad)} at step {self.step}: "
+                                     f"{ {k: row[k] for k in bad} }. Lower the learning rate or check the inputs.")
+        sps = self.sps
+        if sps is not None:
+            row["charts/SPS"] = sps
+        if self.warmup_time is not None:
+            row["perf/warmup_time"] = self.warmup_time
+        self.last.update(row)
+        self.jsonl.write(json.dumps({"global_step": self.step, **row}) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(row, step=self.step)
+        self.pbar.n = self.step
+        postfix = {}
+        if "charts/SPS" in self.last:
+            postfix["SPS"] = f"{self.last['charts/SPS']:.0f}"
+        if "charts/episodic_return" in self.last:
+            postfix["return"] = f"{self.last['charts/episodic_return']:.1f}"
+        self.pbar.set_postfix(postfix, refresh=True)
+        return row
+
+    def _sync(self):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def close(self):
+        self.pbar.close()
+        self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()

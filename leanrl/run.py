@@ -1,0 +1,79 @@
+"""What every run shares: its arguments, seeding, device and run directory."""
+
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+
+@dataclass
+class RunArgs:
+    exp_name: str = "leanrl"
+    """the name of this experiment (prefix of the run directory)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    device: str = "auto"
+    """torch device of the learner: `auto` picks cuda when available, else cpu"""
+    total_timesteps: int = 1_000_000
+    """total environment steps of the experiment"""
+    compile: bool = False
+    """torch.compile the policy and update functions"""
+    cudagraphs: bool = False
+    """capture the policy and update functions in CUDA graphs (needs fixed shapes; CUDA only)"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project_name: str = "leanrl"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode when tracking: offline by default, `online` to upload"""
+    run_dir: str = "runs"
+    """where run directories (metrics.jsonl, checkpoints, wandb files) are created"""
+    log_every: int = 1
+    """read metrics to the host every this many iterations"""
+    checkpoint_every: int = 50
+    """save a checkpoint every this many iterations (0: only at exit)"""
+    resume: str | None = None
+    """path of a checkpoint to resume from"""
+    progress: bool = True
+    """show a tqdm progress bar"""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+def seed_everything(seed: int, deterministic: bool = True) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = deterministic
+
+
+def make_run_dir(args: RunArgs, env_id: str) -> str:
+    """`runs/<env>__<exp>__<seed>__<time>`, or the directory of the checkpoint being resumed."""
+    if args.resume:
+        return os.path.dirname(os.path.abspath(args.resume))
+    name = f"{env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    return os.path.join(args.run_dir, name)
+
+
+def mode_name(args: RunArgs) -> str:
+    parts = [m for m in ("compile", "cudagraphs") if getattr(args, m)]
+    return "+".join(parts) or "eager"
+
+
+def config_dict(args) -> dict:
+    return asdict(args)

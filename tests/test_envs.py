@@ -1,0 +1,222 @@
+import io
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from envs import make_env
+
+
+def _gym_env(env_id):
+    env = gym.make(env_id)
+    env.reset(seed=0)
+    return env
+
+
+def test_cartpole_matches_gymnasium_step_for_step():
+    n = 8
+    env = make_env("torch/CartPole-v1", n, seed=0)
+    env.reset()
+    refs = [_gym_env("CartPole-v1") for _ in range(n)]
+    for i, ref in enumerate(refs):
+        ref.unwrapped.state = env.state[i].numpy().copy()
+    gen = torch.Generator().manual_seed(0)
+    terminations = 0
+    for _ in range(300):
+        action = torch.randint(0, 2, (n,), generator=gen)
+        td = env.step(action)
+        for i, ref in enumerate(refs):
+            obs, reward, terminated, truncated, _ = ref.step(int(action[i]))
+            np.testing.assert_allclose(td["final_obs"][i].numpy(), obs, atol=1e-5)
+            assert td["reward"][i].item() == reward == 1.0
+            assert td["terminated"][i].item() == terminated and td["truncated"][i].item() == truncated
+            if terminated:  # auto-reset in the same step: a fresh state in gymnasium's reset range
+                terminations += 1
+                assert (env.state[i].abs() <= 0.05).all() and env.steps[i] == 0
+                assert torch.equal(td["next_obs"][i], env.state[i].float())
+                assert td["episode_length"][i] > 0 and td["episode_return"][i] == td["episode_length"][i]
+                ref.reset()
+                ref.unwrapped.state = env.state[i].numpy().copy()
+            else:
+                assert torch.equal(td["next_obs"][i], td["final_obs"][i]) and td["episode_length"][i] == 0
+    assert terminations > 20
+
+
+def test_cartpole_truncates_at_500():
+    env = make_env("torch/CartPole-v1", 2)
+    env.reset()
+    sd = env.state_dict()
+    sd["steps"][:] = 499
+    sd["state"][:] = 0.0  # upright and still: the 500th step cannot terminate
+    env.load_state_dict(sd)
+    td = env.step(torch.tensor([0, 1]))
+    assert td["truncated"].all() and not td["terminated"].any()
+    assert (td["episode_length"] == 500).all() and (env.steps == 0).all()
+    assert (td["final_obs"][:, 1].abs() > 0.19).all()  # one push of the cart: x_dot = +-0.195
+    assert (env.state.abs() <= 0.05).all() and torch.equal(td["next_obs"], env.state.float())
+
+
+def test_pendulum_matches_gymnasium_and_truncates_at_200():
+    n = 4
+    env = make_env("torch/Pendulum-v1", n, seed=1)
+    env.reset()
+    refs = [_gym_env("Pendulum-v1") for _ in range(n)]  # with its TimeLimit(200)
+    for i, ref in enumerate(refs):
+        ref.unwrapped.state = env.state[i].numpy().copy()
+    gen = torch.Generator().manual_seed(0)
+    returns = np.zeros(n)
+    for t in range(200):
+        action = torch.rand(n, 1, generator=gen) * 6 - 3  # beyond max_torque: tests the clipping
+        td = env.step(action)
+        for i, ref in enumerate(refs):
+            obs, reward, terminated, truncated, _ = ref.step(action[i].numpy())
+            returns[i] += reward
+            np.testing.assert_allclose(td["final_obs"][i].numpy(), obs, atol=1e-5)
+            np.testing.assert_allclose(td["reward"][i].item(), reward, rtol=1e-5, atol=1e-5)
+            assert not td["terminated"][i] and td["truncated"][i].item() == truncated == (t == 199)
+    np.testing.assert_allclose(td["episode_return"].numpy(), returns, rtol=1e-4)
+    assert (td["episode_length"] == 200).all()
+    assert (env.state[:, 0].abs() <= math.pi).all() and (env.state[:, 1].abs() <= 1).all()
+    assert not torch.equal(td["next_obs"], td["final_obs"])
+
+
+def test_torch_env_step_compiles_and_matches_eager():
+    eager, compiled = make_env("torch/CartPole-v1", 64), make_env("torch/CartPole-v1", 64)
+    eager.reset(seed=0)
+    compiled.load_state_dict(eager.state_dict())
+    step = torch.compile(compiled.step, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    resets = 0
+    with torch._inductor.config.patch(fallback_random=True):  # the same random resets as eager
+        for t in range(40):
+            action = torch.randint(0, 2, (64,), generator=gen)
+            torch.manual_seed(t)
+            expected = eager.step(action)
+            torch.manual_seed(t)
+            got = step(action)
+            for key in expected.keys():
+                torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-6)
+            resets += expected["terminated"].sum().item()
+    assert resets > 0
+    torch.testing.assert_close(compiled.state, eager.state)
+
+
+def _play_games(env, max_steps=5000):
+    """Random actions until every env has finished one game; per env: (raw rewards, terminated flags, td at game end)."""
+    rewards, terms, ends = [[] for _ in range(env.num_envs)], [[] for _ in range(env.num_envs)], {}
+    env.reset(seed=0)
+    for _ in range(max_steps):
+        td = env.step(torch.randint(0, env.single_action_space.n, (env.num_envs,)))
+        game_over = td["terminated"] | td["truncated"]
+        for i in range(env.num_envs):
+            if i in ends:
+                continue
+            rewards[i].append(td["reward"][i].item())
+            terms[i].append(td["terminated"][i].item())
+            if td["episode_length"][i] > 0:
+                ends[i] = td[i]
+            elif game_over[i]:  # a life lost: the game goes on, so final_obs is next_obs
+                assert torch.equal(td["final_obs"][i], td["next_obs"][i])
+        if len(ends) == env.num_envs:
+            return rewards, terms, ends
+    raise AssertionError("no game finished")
+
+
+@pytest.mark.parametrize("env_id, lives", [("BreakoutNoFrameskip-v4", 5), ("ALE/SpaceInvaders-v5", 3)])
+def test_atari_episode_return_spans_all_lives(env_id, lives):
+    env = make_env(env_id, 2)
+    obs = env.reset()
+    assert obs.dtype == torch.uint8 and obs.shape == (2, 4, 84, 84) and obs.device.type == "cpu"
+    rewards, terms, ends = _play_games(env)
+    for i in range(2):
+        assert ends[i]["episode_return"].item() == sum(rewards[i])
+        assert ends[i]["episode_length"].item() == len(rewards[i])
+        assert sum(terms[i]) == lives  # every lost life is terminal for learning
+        assert not torch.equal(ends[i]["final_obs"], ends[i]["next_obs"])  # a new game
+    if "SpaceInvaders" in env_id:
+        assert max(max(r) for r in rewards) > 1  # raw game rewards, not clipped
+    env.close()
+
+
+def test_atari_without_episodic_life_terminates_only_at_game_over():
+    env = make_env("BreakoutNoFrameskip-v4", 1, episodic_life=False)
+    rewards, terms, ends = _play_games(env)
+    assert sum(terms[0]) == 1 and terms[0][-1]
+
+
+def test_unknown_atari_game_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown Atari game 'Breakoutt'.*Breakout"):
+        make_env("ALE/Breakoutt-v5", 1)
+
+
+def test_halfcheetah_final_obs_normalized_like_next_obs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # mujoco writes MUJOCO_LOG.TXT (a deprecation warning) into the cwd
+    kwargs = dict(num_envs=2, seed=3, max_episode_steps=20)
+    env = make_env("HalfCheetah-v5", **kwargs)
+    raw = make_env("HalfCheetah-v5", normalize_obs=False, normalize_reward=False, **kwargs)
+    norm = lambda x: np.clip((x - env.obs_rms.mean) / np.sqrt(env.obs_rms.var + 1e-8), -10, 10).astype(np.float32)
+    obs, raw_obs = env.reset(), raw.reset()
+    assert obs.dtype == raw_obs.dtype == torch.float32 and obs.shape == (2, 17)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(20):
+        action = torch.rand(2, 6, generator=gen) * 2 - 1
+        td, raw_td = env.step(action), raw.step(action)
+        assert env.obs_rms.count == pytest.approx(1e-4 + 2 * (t + 2))  # updated once per step
+        np.testing.assert_allclose(td["next_obs"].numpy(), norm(raw_td["next_obs"].numpy()), atol=1e-5)
+        np.testing.assert_allclose(td["final_obs"].numpy(), norm(raw_td["final_obs"].numpy()), atol=1e-5)
+    assert td["truncated"].all() and not torch.equal(raw_td["final_obs"], raw_td["next_obs"])
+    # raw episodic return, normalized reward
+    torch.testing.assert_close(td["episode_return"], raw_td["episode_return"])
+    assert not torch.allclose(td["reward"], raw_td["reward"])
+
+
+def test_halfcheetah_state_dict_round_trip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    kwargs = dict(num_envs=2, max_episode_steps=20)
+    env = make_env("HalfCheetah-v5", seed=0, **kwargs)
+    env.reset()
+    for _ in range(30):
+        env.step(torch.rand(2, 6) * 2 - 1)
+    buffer = io.BytesIO()
+    torch.save(env.state_dict(), buffer)
+    buffer.seek(0)
+    sd = torch.load(buffer, weights_only=True)
+    action = torch.rand(2, 6) * 2 - 1
+    reset_and_step = lambda e: (e.reset(seed=7), e.step(action))
+    obs_a, td_a = reset_and_step(env)
+    resumed = make_env("HalfCheetah-v5", seed=1, **kwargs)
+    resumed.load_state_dict(sd)
+    obs_b, td_b = reset_and_step(resumed)
+    assert torch.equal(obs_a, obs_b) and torch.equal(td_a["next_obs"], td_b["next_obs"])
+    assert torch.equal(td_a["reward"], td_b["reward"])
+    obs_c, _ = reset_and_step(make_env("HalfCheetah-v5", seed=1, **kwargs))
+    assert not torch.equal(obs_a, obs_c)  # without the statistics the run would differ
+
+
+def test_unknown_env_id_lists_families():
+    for env_id in ("NotAnEnv-v0", "torch/Acrobot-v1"):
+        with pytest.raises(ValueError) as err:
+            make_env(env_id, 1)
+        for example in ("ALE/Breakout-v5", "BreakoutNoFrameskip-v4", "HalfCheetah-v5", "torch/CartPole-v1", "torch/Pendulum-v1"):
+            assert example in str(err.value) and env_id in str(err.value)
+
+
+def test_missing_optional_dependency_names_the_extra():
+    code = """
+import sys
+sys.modules["ale_py"] = sys.modules["mujoco"] = None  # as if not installed
+from envs import make_env
+for env_id, extra in (("ALE/Breakout-v5", ".[atari]"), ("HalfCheetah-v5", ".[mujoco]")):
+    try:
+        make_env(env_id, 1)
+    except ImportError as e:
+        assert extra in str(e), e
+    else:
+        raise AssertionError(env_id)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])

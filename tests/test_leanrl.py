@@ -1,0 +1,105 @@
+"""The shared core: accelerate, the shape guard, the sync-free logger and checkpoints."""
+
+import json
+import os
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import leanrl
+from leanrl import acceleration
+
+
+def affine(x, w):
+    return x @ w + 1
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_accelerate_matches_eager(compile):
+    x, w = torch.randn(8, 4), torch.randn(4, 3)
+    fn = leanrl.accelerate(affine, compile=compile)
+    torch.testing.assert_close(fn(x, w), affine(x, w))
+
+
+def test_cudagraphs_without_cuda_says_so_once_and_runs(capfd, monkeypatch):
+    monkeypatch.setattr(acceleration, "_warned_no_cuda", False)
+    x, w = torch.randn(8, 4), torch.randn(4, 3)
+    f1 = leanrl.accelerate(affine, cudagraphs=True, device="cpu")
+    f2 = leanrl.accelerate(affine, cudagraphs=True, device="cpu")
+    torch.testing.assert_close(f1(x, w), affine(x, w))
+    torch.testing.assert_close(f2(x, w), affine(x, w))
+    err = capfd.readouterr().err
+    assert err.count("--cudagraphs needs a CUDA device") == 1
+    assert "CudaGraphModule" not in type(f1.fn).__name__
+
+
+def test_shape_guard_rejects_a_smaller_broadcastable_input():
+    fn = leanrl.accelerate(affine, cudagraphs=True, name="affine")
+    fn(torch.randn(8, 4), torch.randn(4, 3))
+    fn(torch.randn(8, 4), torch.randn(4, 3))  # same shapes: fine
+    with pytest.raises(leanrl.ShapeChangeError, match=r"affine: argument 0 .*\[8, 4\].*\[1, 4\]"):
+        fn(torch.randn(1, 4), torch.randn(4, 3))
+    with pytest.raises(leanrl.ShapeChangeError, match="float64"):
+        fn(torch.randn(8, 4, dtype=torch.float64), torch.randn(4, 3))
+
+
+def test_shape_guard_on_tensordicts_and_keywords():
+    fn = leanrl.accelerate(lambda td, scale: td["a"] * scale, cudagraphs=True, name="f")
+    fn(TensorDict(a=torch.ones(4, 2), batch_size=[4]), scale=torch.ones(2))
+    with pytest.raises(leanrl.ShapeChangeError, match=r"argument 0 .*a: shape \[4, 2\].*a: shape \[4, 3\]"):
+        fn(TensorDict(a=torch.ones(4, 3), batch_size=[4]), scale=torch.ones(2))
+    with pytest.raises(leanrl.ShapeChangeError, match="scale"):
+        fn(TensorDict(a=torch.ones(4, 2), batch_size=[4]), scale=torch.ones(1))
+
+
+def test_logger_reads_device_metrics_at_flush_with_cleanrl_keys(tmp_path):
+    logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=100, burn_in=1, progress=False)
+    done = torch.tensor([True, False, True])
+    logger.record_episodes(done, torch.tensor([10.0, 99.0, 20.0]), torch.tensor([5.0, 9.0, 7.0]))
+    logger.record_episodes(torch.tensor([False, True, False]), torch.zeros(3) + 30, torch.zeros(3) + 3)
+    logger.record({"losses/value_loss": torch.tensor(0.5), "charts/learning_rate": 1e-3})
+    logger.end_iteration(50)
+    logger.end_iteration(100)
+    row = logger.flush()
+    logger.close()
+    assert row["charts/episodic_return"] == pytest.approx(20.0)
+    assert row["charts/episodic_length"] == pytest.approx(5.0)
+    assert row["losses/value_loss"] == 0.5 and row["charts/SPS"] > 0 and row["perf/warmup_time"] >= 0
+    lines = [json.loads(s) for s in open(tmp_path / "metrics.jsonl")]
+    assert lines[-1]["global_step"] == 100 and lines[-1]["charts/episodic_return"] == pytest.approx(20.0)
+
+
+def test_logger_raises_on_a_non_finite_loss(tmp_path):
+    logger = leanrl.Logger(str(tmp_path), {}, total_steps=10, progress=False)
+    logger.record({"losses/policy_loss": torch.tensor(float("nan"))})
+    with pytest.raises(FloatingPointError, match="losses/policy_loss"):
+        logger.flush()
+    logger.close()
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_wandb_offline_writes_files_disabled_leaves_none(tmp_path, mode, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=10, track=True, wandb_mode=mode, progress=False)
+    logger.record({"losses/value_loss": 1.0})
+    logger.end_iteration(10)
+    logger.flush()
+    logger.close()
+    assert os.path.isdir(tmp_path / "wandb") == (mode == "offline")
+
+
+def test_checkpoint_round_trip_restores_rng(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    torch.manual_seed(3)
+    leanrl.save_checkpoint(path, {"step": 7, "w": torch.arange(3)})
+    expected = torch.rand(4)
+    torch.rand(100)
+    state = leanrl.load_checkpoint(path)
+    assert state["step"] == 7 and torch.equal(state["w"], torch.arange(3))
+    torch.testing.assert_close(torch.rand(4), expected)
+
+
+def test_resume_from_a_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        leanrl.load_checkpoint(str(tmp_path / "nope.pt"))

@@ -1,0 +1,195 @@
+"""PPO's math against references, optimized paths against eager, and learning on the on-device CartPole."""
+
+import gymnasium as gym
+import pytest
+import torch
+from torch.distributions import Categorical, Normal
+
+import leanrl
+from algorithms import ppo
+from envs import make_env
+
+BOX4 = gym.spaces.Box(-1, 1, (4,))
+
+
+def gae_reference(rewards, values, next_value, terminated, truncated, final_values, gamma, lam):
+    """CleanRL's loop, written per element, with truncated episodes bootstrapped from their final obs."""
+    T, N = rewards.shape
+    adv = torch.zeros(T, N, dtype=torch.float64)
+    for n in range(N):
+        running = 0.0
+        for t in reversed(range(T)):
+            if terminated[t, n]:
+                next_v = 0.0
+            elif truncated[t, n]:
+                next_v = final_values[t, n].item()
+            else:
+                next_v = (values[t + 1, n] if t + 1 < T else next_value[n]).item()
+            delta = rewards[t, n].item() + gamma * next_v - values[t, n].item()
+            running = delta + (0.0 if terminated[t, n] or truncated[t, n] else gamma * lam * running)
+            adv[t, n] = running
+    return adv
+
+
+def test_gae_matches_reference_loop_with_dones_and_truncations():
+    torch.manual_seed(0)
+    T, N = 17, 5
+    rewards, values, final_values = torch.randn(T, N), torch.randn(T, N), torch.randn(T, N)
+    next_value = torch.randn(N)
+    terminated = torch.rand(T, N) < 0.15
+    truncated = (torch.rand(T, N) < 0.15) & ~terminated
+    next_values = torch.where(truncated, final_values, torch.cat([values[1:], next_value[None]]))
+    adv, ret = ppo.gae(rewards, values, next_values, terminated, terminated | truncated, 0.99, 0.95)
+    expected = gae_reference(rewards, values, next_value, terminated, truncated, final_values, 0.99, 0.95)
+    torch.testing.assert_close(adv.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret, adv + values)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_ppo_loss_terms_against_hand_computed_values(continuous):
+    torch.manual_seed(0)
+    act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
+    agent = ppo.make_agent(BOX4, act_space)
+    B, clip = 6, 0.2
+    obs = torch.randn(B, 4)
+    actions = torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,))
+    old_logprobs, advantages = torch.randn(B) * 0.1 - 1.0, torch.randn(B)
+    returns, old_values = torch.randn(B), torch.randn(B)
+    loss, m = ppo.ppo_loss(agent, obs, actions, old_logprobs, advantages, returns, old_values, clip_coef=clip,
+                           clip_vloss=True, norm_adv=True, ent_coef=0.01, vf_coef=0.5)
+
+    # By hand, with torch.distributions as the independent reference for log-probs and entropy.
+    with torch.no_grad():
+        if continuous:
+            dist = Normal(agent.actor(obs), agent.actor_logstd.exp().expand(B, 2))
+            newlogprob, entropy = dist.log_prob(actions).sum(-1), dist.entropy().sum(-1)
+        else:
+            dist = Categorical(logits=agent.actor(obs))
+            newlogprob, entropy = dist.log_prob(actions), dist.entropy()
+        newvalue = agent.critic(obs).squeeze(-1)
+        ratio = torch.exp(newlogprob - old_logprobs)
+        adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        pg = torch.stack([max(-a * r, -a * min(max(r, 1 - clip), 1 + clip)) for a, r in zip(adv, ratio)]).mean()
+        v_clip = old_values + (newvalue - old_values).clamp(-clip, clip)
+        v = 0.5 * torch.maximum((newvalue - returns) ** 2, (v_clip - returns) ** 2).mean()
+        expected_loss = pg - 0.01 * entropy.mean() + 0.5 * v
+    torch.testing.assert_close(m["pg_loss"], pg)
+    torch.testing.assert_close(m["v_loss"], v)
+    torch.testing.assert_close(m["entropy"], entropy.mean())
+    torch.testing.assert_close(m["approx_kl"], ((ratio - 1) - (newlogprob - old_logprobs)).mean())
+    torch.testing.assert_close(m["old_approx_kl"], (old_logprobs - newlogprob).mean())
+    torch.testing.assert_close(m["clipfrac"], ((ratio - 1).abs() > clip).float().mean())
+    torch.testing.assert_close(loss, expected_loss)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_policy_samples_follow_the_distribution(continuous):
+    torch.manual_seed(0)
+    act_space = gym.spaces.Box(-1, 1, (1,)) if continuous else gym.spaces.Discrete(3)
+    agent = ppo.make_agent(BOX4, act_space)
+    obs = torch.randn(1, 4).expand(20000, 4)
+    with torch.no_grad():
+        action, logprob, _ = ppo.make_policy(agent)(obs)
+        if continuous:
+            torch.testing.assert_close(action.mean(), agent.actor(obs[:1]).squeeze(), atol=0.03, rtol=0)
+        else:
+            freq = torch.bincount(action, minlength=3).float() / len(action)
+            torch.testing.assert_close(freq, agent.actor(obs[:1]).softmax(-1).squeeze(0), atol=0.015, rtol=0)
+
+
+def _update_fns(compile, continuous):
+    torch.manual_seed(0)
+    act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
+    args = ppo.Args(compile=compile)
+    agent = ppo.make_agent(BOX4, act_space)
+    optimizer = ppo.make_optimizer(agent.parameters(), 1e-3, args, "cpu")
+    return agent, leanrl.accelerate(ppo.make_update(agent, optimizer, args), compile=compile)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_compiled_update_matches_eager_after_k_steps(continuous):
+    torch.manual_seed(1)
+    B = 64
+    batches = [(torch.randn(B, 4), torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,)),
+                torch.randn(B) * 0.1 - 1, torch.randn(B), torch.randn(B), torch.randn(B)) for _ in range(5)]
+    (eager_agent, eager_update), (compiled_agent, compiled_update) = _update_fns(False, continuous), \
+        _update_fns(True, continuous)
+    for batch in batches:
+        eager_out, compiled_out = eager_update(*batch), compiled_update(*batch)
+        for e, c in zip(eager_out, compiled_out):
+            torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+    for (name, e), c in zip(eager_agent.named_parameters(), compiled_agent.parameters()):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_compiled_policy_matches_eager(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # same random stream as eager
+    agent = ppo.make_agent(BOX4, gym.spaces.Discrete(3))
+    eager, compiled = ppo.make_policy(agent), leanrl.accelerate(ppo.make_policy(agent), compile=True)
+    obs = torch.randn(32, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.manual_seed(5)
+            expected = eager(obs)
+            torch.manual_seed(5)
+            for c, e in zip(compiled(obs), expected):
+                torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+def test_non_divisible_minibatches_fail_before_anything_is_built():
+    with pytest.raises(ValueError, match="not divisible by num_minibatches = 3"):
+        ppo.check_args(ppo.Args(num_envs=4, num_steps=128, num_minibatches=3))
+
+
+def test_a_shape_change_under_a_graphed_policy_is_a_clear_error():
+    agent = ppo.make_agent(BOX4, gym.spaces.Discrete(3))
+    policy = leanrl.accelerate(ppo.make_policy(agent), cudagraphs=True, name="policy")
+    with torch.no_grad():
+        policy(torch.randn(8, 4))
+        with pytest.raises(leanrl.ShapeChangeError, match=r"policy: argument 0 .*\[8, 4\].*\[1, 4\]"):
+            policy(torch.randn(1, 4))
+
+
+CARTPOLE = dict(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=128, total_timesteps=8192, log_every=2,
+                checkpoint_every=0, progress=False)
+
+
+def run_cartpole(tmp_path, **kw):
+    args = ppo.Args(**{**CARTPOLE, "run_dir": str(tmp_path), **kw})
+    envs = make_env(args.env_id, args.num_envs, seed=args.seed)
+    return ppo.train(args, envs, torch.device("cpu"))
+
+
+def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
+    full = run_cartpole(tmp_path / "full", total_timesteps=4096)
+    # The same schedule, stopped after two iterations by a KeyboardInterrupt (as Ctrl-C would), then resumed.
+    calls = {"n": 0}
+    original = ppo.PPO.train_iteration
+
+    def interrupt_after_two(self):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ppo.PPO, "train_iteration", interrupt_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            run_cartpole(tmp_path / "part", total_timesteps=4096)
+    (ckpt,) = (tmp_path / "part").glob("*/checkpoint.pt")
+    assert torch.load(ckpt, weights_only=False)["iteration"] == 2
+    resumed = run_cartpole(tmp_path / "part", total_timesteps=4096, resume=str(ckpt))
+    assert (resumed.iteration, resumed.global_step) == (full.iteration, full.global_step) == (4, 4096)
+    for (name, a), b in zip(full.agent.named_parameters(), resumed.agent.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(resumed.optimizer.state_dict()["state"][0]["exp_avg"],
+                               full.optimizer.state_dict()["state"][0]["exp_avg"], rtol=0, atol=0)
+
+
+def test_ppo_solves_on_device_cartpole(tmp_path):
+    # rl-baselines3-zoo's CartPole settings (the defaults of scripts/ppo_cartpole.py); the last flush
+    # averages every episode of the last 40 iterations (10k steps).
+    trained = run_cartpole(tmp_path, num_envs=8, num_steps=32, num_minibatches=1, update_epochs=20,
+                           learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
+                           total_timesteps=100_000, log_every=40)
+    assert trained.logged["charts/episodic_return"] >= 475, trained.logged
