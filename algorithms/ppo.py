@@ -273,7 +273,7 @@ class PPO:
             episode_length=torch.zeros(T, N, device=device),
             batch_size=[T, N], device=device)
         self.next_obs = None
-        self.logged = {}  # the last values written to the log
+        self.logged = {}  # the last values written to the log (set by leanrl.run)
         self.global_step = 0
         self.iteration = 0
 
@@ -298,7 +298,10 @@ class PPO:
         terminated = s["terminated"] if args.bootstrap_truncated else s["terminated"] | s["truncated"]
         return next_values, terminated
 
-    def train_iteration(self):
+    def reset(self, seed):
+        self.next_obs = self.envs.reset(seed=seed)
+
+    def train_iteration(self, logger):
         args, s = self.args, self.storage
         if args.anneal_lr:
             frac = 1.0 - self.iteration / self.num_iterations
@@ -321,7 +324,15 @@ class PPO:
         metrics = dict(zip(UPDATE_METRICS, out))
         metrics["losses/explained_variance"] = explained_var
         metrics["charts/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        return metrics
+        logger.record(metrics)
+        logger.record_episodes(s["terminated"] | s["truncated"], s["episode_return"], s["episode_length"])
+
+    def benchmark_calls(self):
+        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
+        s = self.storage.reshape(-1)[: self.minibatch_size]
+        advantages, returns = torch.randn_like(s["values"]), torch.randn_like(s["values"])
+        return {"policy": (self.policy, (self.storage["obs"][0],)),
+                "update": (self.update, (s["obs"], s["actions"], s["logprobs"], advantages, returns, s["values"]))}
 
     def state_dict(self):
         return dict(agent=self.agent.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -338,37 +349,7 @@ class PPO:
 
 
 def train(args: Args, envs, device=None) -> PPO:
-    """Run PPO to `args.total_timesteps`, logging, checkpointing and resuming; returns the trained PPO."""
+    """Run PPO to `args.total_timesteps` (logging, checkpoints, resume: see `leanrl.run`)."""
     device = device or leanrl.resolve_device(args.device)
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    ppo = PPO(args, envs, device)
-    run_dir = leanrl.make_run_dir(args, args.env_id)
-    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-    if args.resume:
-        ppo.load_state_dict(leanrl.load_checkpoint(args.resume))
-    else:
-        ppo.next_obs = envs.reset(seed=args.seed)
-    logger = leanrl.Logger(run_dir, vars(args), args.total_timesteps, track=args.track, wandb_mode=args.wandb_mode,
-                           wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
-                           run_name=os.path.basename(run_dir), start_step=ppo.global_step, progress=args.progress)
-    leanrl.raise_on_sigterm()
-    try:
-        while ppo.iteration < ppo.num_iterations:
-            metrics = ppo.train_iteration()
-            s = ppo.storage
-            logger.record_episodes(s["terminated"] | s["truncated"], s["episode_return"], s["episode_length"])
-            logger.record(metrics)
-            logger.end_iteration(ppo.global_step)
-            if ppo.iteration % args.log_every == 0 or ppo.iteration == ppo.num_iterations:
-                logger.flush()
-            if args.checkpoint_every and ppo.iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, ppo.state_dict())
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what was learned
-        leanrl.save_checkpoint(ckpt_path, ppo.state_dict())
-        print(f"interrupted; checkpoint saved to {ckpt_path} (resume with --resume {ckpt_path})")
-        raise
-    finally:
-        logger.close()
-    leanrl.save_checkpoint(ckpt_path, ppo.state_dict())
-    ppo.logged = logger.last
-    return ppo
+    return leanrl.run(PPO(args, envs, device), args)

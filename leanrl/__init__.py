@@ -3,9 +3,9 @@
 from leanrl.acceleration import ShapeChangeError, ShapeGuard, accelerate
 from leanrl.checkpoint import load_checkpoint, raise_on_sigterm, save_checkpoint
 from leanrl.logger import Logger
-from leanrl.run import RunArgs, make_run_dir, mode_name, resolve_device, seed_everything
+from leanrl.run import RunArgs, make_run_dir, mode_name, resolve_device, run, seed_everything
 
 __all__ = [
     "accelerate", "ShapeChangeError", "ShapeGuard", "Logger", "RunArgs", "load_checkpoint",
-    "save_checkpoint", "raise_on_sigterm", "make_run_dir", "mode_name", "resolve_device", "seed_everything",
+    "save_checkpoint", "raise_on_sigterm", "make_run_dir", "mode_name", "run", "resolve_device", "seed_everything",
 ]

@@ -166,11 +166,11 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
     calls = {"n": 0}
     original = ppo.PPO.train_iteration
 
-    def interrupt_after_two(self):
+    def interrupt_after_two(self, logger):
         if calls["n"] == 2:
             raise KeyboardInterrupt
         calls["n"] += 1
-        return original(self)
+        return original(self, logger)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ppo.PPO, "train_iteration", interrupt_after_two)
