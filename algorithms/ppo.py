@@ -15,10 +15,11 @@ import torch.nn as nn
 from tensordict import TensorDict, from_module
 
 import leanrl
+from leanrl.pipeline import AsyncArgs
 
 
 @dataclass
-class Args(leanrl.RunArgs):
+class Args(leanrl.RunArgs, AsyncArgs):
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the environment"""
     num_envs: int = 8
@@ -53,6 +54,8 @@ class Args(leanrl.RunArgs):
     """clip rewards to their sign before learning (Atari; scores are still logged raw)"""
     bootstrap_truncated: bool = True
     """bootstrap truncated episodes from the value of their final observation (one extra critic pass per step)"""
+    graph_iteration: bool = False
+    """with an on-device env, capture a whole iteration (rollout, GAE, every update epoch) as one CUDA graph"""
 
 
 def check_args(args: Args) -> tuple[int, int, int]:
@@ -226,6 +229,74 @@ def make_update(agent, optimizer, args: Args):
     return update
 
 
+
+# ------------------------------------------------------------------------- stale data (async PPO, --async)
+def truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, *, is_clip, clip_coef,
+                      clip_vloss, norm_adv, ent_coef, vf_coef):
+    """PipelineRL's off-policy policy gradient: -A * min(pi/mu, is_clip) * log pi, the importance weight to the
+    behaviour policy mu truncated and detached (its gradient is pi/mu * A * grad log pi below the clip);
+    value and entropy terms as in `ppo_loss`."""
+    dist_params, newvalue = agent(obs)
+    _, newlogprob, entropy = sample_and_logprob(agent, dist_params, actions)
+    logratio = newlogprob - behaviour_logprobs
+    weight = logratio.detach().exp().clamp(max=is_clip)
+    if norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = -(weight * advantages * newlogprob).mean()
+    v_loss_unclipped = (newvalue - returns) ** 2
+    if clip_vloss:
+        v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * v_loss_unclipped.mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+    with torch.no_grad():
+        ratio = logratio.exp()
+        metrics = dict(pg_loss=pg_loss, v_loss=v_loss, entropy=entropy_loss, old_approx_kl=(-logratio).mean(),
+                       approx_kl=((ratio - 1) - logratio).mean(), clipfrac=(ratio > is_clip).float().mean())
+    return loss, metrics
+
+
+def decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values, *,
+                       is_clip, clip_coef, clip_vloss, norm_adv, ent_coef, vf_coef):
+    """AReaL's decoupled PPO: the clipped trust region around the proximal policy (the trainer's weights when the
+    batch is consumed), each sample reweighted by proximal/behaviour (truncated at is_clip). The weight is
+    positive, so w * max(-A r, -A clip(r)) = max(-wA r, -wA clip(r)): `ppo_loss` with advantages w * A."""
+    if norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    weight = (proximal_logprobs - behaviour_logprobs).exp().clamp(max=is_clip)
+    return ppo_loss(agent, obs, actions, proximal_logprobs, weight * advantages, returns, values,
+                    clip_coef=clip_coef, clip_vloss=clip_vloss, norm_adv=False, ent_coef=ent_coef, vf_coef=vf_coef)
+
+
+def effective_sample_size(logw):
+    """(sum w)^2 / (n sum w^2) of the importance weights w = exp(logw): 1 on-policy, 1/n at worst."""
+    w = (logw - logw.max()).exp()
+    return w.sum() ** 2 / (w.numel() * (w**2).sum())
+
+
+def make_async_update(agent, optimizer, args: Args):
+    def update(obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values):
+        optimizer.zero_grad()
+        kw = dict(clip_coef=args.clip_coef, clip_vloss=args.clip_vloss, norm_adv=args.norm_adv,
+                  ent_coef=args.ent_coef, vf_coef=args.vf_coef)
+        if args.correction == "decoupled":
+            loss, m = decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages,
+                                         returns, values, is_clip=args.is_clip, **kw)
+        elif args.correction == "truncated_is":
+            loss, m = truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values,
+                                        is_clip=args.is_clip, **kw)
+        else:  # naive PPO on stale data: the behaviour policy taken as the old policy
+            loss, m = ppo_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, **kw)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+        optimizer.step()
+        return (m["pg_loss"].detach(), m["v_loss"].detach(), m["entropy"].detach(), m["old_approx_kl"],
+                m["approx_kl"], m["clipfrac"], grad_norm.detach())
+
+    return update
+
 def make_optimizer(params, lr, args, device):
     """Adam with a tensor learning rate, annealed in place so a captured graph sees it. Eager runs the
     fused kernel (about 3x the default on CPU); compile generates its own; graphs need `capturable`."""
@@ -234,7 +305,7 @@ def make_optimizer(params, lr, args, device):
 
 
 UPDATE_METRICS = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/old_approx_kl",
-                  "losses/approx_kl", "losses/clipfrac", "losses/grad_norm")
+                  "losses/approx_kl", "losses/clipfrac", "losses/grad_norm", "losses/explained_variance")
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -251,11 +322,20 @@ class PPO:
 
         self.optimizer = make_optimizer(self.agent.parameters(), args.learning_rate, args, device)
 
-        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)
+        on_device = getattr(envs, "on_device", False)
+        if args.graph_iteration and not on_device:
+            raise ValueError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
+        # With --graph-iteration the phases are only compiled: one outer graph captures them all.
+        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs and not args.graph_iteration, device=device)
         self.policy = leanrl.accelerate(make_policy(self.agent_inference), name="policy", **wrap)
         self.get_value = leanrl.accelerate(self.agent_inference.get_value, name="get_value", **wrap)
         self.gae = leanrl.accelerate(gae, name="gae", **wrap)
         self.update = leanrl.accelerate(make_update(self.agent, self.optimizer, args), name="update", **wrap)
+        self.env_step = leanrl.accelerate(envs.step, name="env_step", **wrap) if on_device else envs.step
+        self.iterate = self._iterate
+        if args.graph_iteration:
+            self.iterate = leanrl.accelerate(self._iterate, cudagraphs=args.cudagraphs, device=device,
+                                             name="iteration")
 
         obs_space, act_space = envs.single_observation_space, envs.single_action_space
         T, N = args.num_steps, args.num_envs
@@ -282,14 +362,14 @@ class PPO:
         args, s = self.args, self.storage
         for step in range(args.num_steps):
             action, logprob, value = self.policy(self.next_obs)
-            out = self.envs.step(action)
+            out = self.env_step(action)
             reward = out["reward"].sign() if args.clip_reward else out["reward"]
             s[step] = TensorDict(obs=self.next_obs, actions=action, logprobs=logprob, values=value, rewards=reward,
                                  terminated=out["terminated"], truncated=out["truncated"],
                                  episode_return=out["episode_return"], episode_length=out["episode_length"])
             if args.bootstrap_truncated:
                 s["final_values"][step] = self.get_value(out["final_obs"])
-            self.next_obs = out["next_obs"]
+            self.next_obs.copy_(out["next_obs"])  # in place: a captured iteration reads this address
         next_value = self.get_value(self.next_obs)
         # Value of each transition's true next state: the next stored value, or the final observation's.
         next_values = torch.cat([s["values"][1:], next_value.unsqueeze(0)])
@@ -301,31 +381,35 @@ class PPO:
     def reset(self, seed):
         self.next_obs = self.envs.reset(seed=seed)
 
-    def train_iteration(self, logger):
+    def _iterate(self):
+        """Rollout, GAE and every update epoch; the last minibatch's metrics and the explained variance."""
         args, s = self.args, self.storage
-        if args.anneal_lr:
-            frac = 1.0 - self.iteration / self.num_iterations
-            self.optimizer.param_groups[0]["lr"].fill_(frac * args.learning_rate)
         next_values, terminated = self.rollout()
         advantages, returns = self.gae(s["rewards"], s["values"], next_values, terminated,
                                        s["terminated"] | s["truncated"], args.gamma, args.gae_lambda)
         b = s.select("obs", "actions", "logprobs", "values").reshape(-1)
         b["advantages"], b["returns"] = advantages.reshape(-1), returns.reshape(-1)
         for _ in range(args.update_epochs):
-            b_inds = torch.randperm(self.batch_size, device=self.device).split(self.minibatch_size)
+            # argsort of uniform noise: a random permutation that a CUDA graph can replay
+            b_inds = torch.rand(self.batch_size, device=self.device).argsort().split(self.minibatch_size)
             for mb_inds in b_inds:
                 mb = b[mb_inds]
                 out = self.update(mb["obs"], mb["actions"], mb["logprobs"], mb["advantages"], mb["returns"],
                                   mb["values"])
-        self.iteration += 1
-        self.global_step += self.batch_size
-        y_pred, y_true = b["values"], b["returns"]
-        explained_var = 1 - (y_true - y_pred).var() / y_true.var()
-        metrics = dict(zip(UPDATE_METRICS, out))
-        metrics["losses/explained_variance"] = explained_var
+        explained_var = 1 - (b["returns"] - b["values"]).var() / b["returns"].var()
+        return (*out, explained_var)
+
+    def train_iteration(self, logger):
+        args, s = self.args, self.storage
+        if args.anneal_lr:
+            frac = 1.0 - self.iteration / self.num_iterations
+            self.optimizer.param_groups[0]["lr"].fill_(frac * args.learning_rate)
+        metrics = dict(zip(UPDATE_METRICS, self.iterate()))
         metrics["charts/learning_rate"] = self.optimizer.param_groups[0]["lr"]
         logger.record(metrics)
         logger.record_episodes(s["terminated"] | s["truncated"], s["episode_return"], s["episode_length"])
+        self.iteration += 1
+        self.global_step += self.batch_size
 
     def benchmark_calls(self):
         """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
@@ -340,12 +424,17 @@ class PPO:
                     iteration=self.iteration)
 
     def load_state_dict(self, state):
-        # In place, so every address a captured graph holds stays valid.
+        # Before any capture; parameters are copied in place, the tensor learning rate is kept.
         self.agent.load_state_dict(state["agent"])
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.load_state_dict(state["optimizer"])
-        self.envs.load_state_dict(state["envs"])
-        self.next_obs = state["next_obs"].to(self.device)
+        self.optimizer.param_groups[0]["lr"] = lr.copy_(self.optimizer.param_groups[0]["lr"])
         self.global_step, self.iteration = state["global_step"], state["iteration"]
+        self.envs.load_state_dict(state["envs"])
+        if getattr(self.envs, "on_device", False):  # the physics state itself was restored
+            self.next_obs = state["next_obs"].to(self.device)
+        else:  # host simulators cannot be restored: fresh episodes, with the restored normalization statistics
+            self.next_obs = self.envs.reset(seed=self.args.seed + self.iteration)
 
 
 def train(args: Args, envs, device=None) -> PPO:
@@ -353,3 +442,125 @@ def train(args: Args, envs, device=None) -> PPO:
     device = device or leanrl.resolve_device(args.device)
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     return leanrl.run(PPO(args, envs, device), args)
+
+
+# ---------------------------------------------------------------------------- async training (--async)
+def ppo_collector(ctx, args: Args, make_envs, device):
+    """A collector role: PPO's own rollout on its own envs, the policy reading the newest weights in place at
+    every step boundary (`ctx.step_boundary()`, which also gives the version each step is tagged with)."""
+    rank_seed = args.seed + 1 + ctx.rank
+    leanrl.seed_everything(rank_seed, args.torch_deterministic)
+    algo = PPO(args, make_envs(seed=rank_seed, device=device), device)
+    policy, versions = algo.policy, []
+
+    def tagged_policy(obs):
+        versions.append(ctx.step_boundary())
+        return policy(obs)
+
+    algo.policy = tagged_policy
+    algo.reset(rank_seed)
+    for batch in ctx.batches(from_module(algo.agent).data, async_batch_template(algo.storage)):
+        versions.clear()
+        next_values, terminated = algo.rollout()
+        batch.update_(algo.storage)
+        batch["next_values"].copy_(next_values)
+        batch["gae_terminated"].copy_(terminated)
+        batch["version"].copy_(torch.tensor(versions).unsqueeze(1).expand(batch.shape))
+
+
+def async_batch_template(storage):
+    """What a collector sends: the rollout storage, GAE's inputs and the version of every step."""
+    template = storage.clone()
+    template["next_values"] = torch.zeros_like(template["values"])
+    template["gae_terminated"] = torch.zeros_like(template["terminated"])
+    template["version"] = torch.zeros(template.shape, dtype=torch.int64, device=storage.device)
+    return template
+
+
+class AsyncPPO(PPO):
+    """The trainer role: consumes collectors' batches in ticket order, corrects for their staleness
+    (`--correction`), publishes its weights after every iteration. Collectors own the environments."""
+
+    def __init__(self, args: Args, make_envs, device):
+        super().__init__(args, make_envs(seed=args.seed, device=device), device)  # for spaces and shapes only
+        self.make_envs = make_envs
+        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)
+        self.update = leanrl.accelerate(make_async_update(self.agent, self.optimizer, args), name="update", **wrap)
+        self.logprob = leanrl.accelerate(self._logprob, name="logprob", **wrap)
+        self.trainer = None
+
+    def _logprob(self, obs, actions):
+        return sample_and_logprob(self.agent_inference, self.agent_inference(obs)[0], actions)[1]
+
+    def reset(self, seed):
+        pass  # each collector resets its own envs
+
+    def start(self):
+        args = self.args
+        collector_device = self.device if args.transport == "threads" else torch.device("cpu")
+        self.trainer = leanrl.pipeline.start(
+            args.transport, args.num_collectors, ppo_collector, (args, self.make_envs, collector_device),
+            async_batch_template(self.storage), from_module(self.agent).data, max_lag=args.max_lag,
+            deterministic=args.deterministic)
+
+    def train_iteration(self, logger):
+        args, s = self.args, self.storage
+        if self.trainer is None:
+            self.start()
+        if args.anneal_lr:
+            self.optimizer.param_groups[0]["lr"].fill_((1.0 - self.iteration / self.num_iterations) * args.learning_rate)
+        batch = self.trainer.next_batch()
+        s.update_(batch.select(*s.keys()))
+        advantages, returns = self.gae(s["rewards"], s["values"], batch["next_values"].to(self.device),
+                                       batch["gae_terminated"].to(self.device), s["terminated"] | s["truncated"],
+                                       args.gamma, args.gae_lambda)
+        b = s.select("obs", "actions", "logprobs", "values").reshape(-1)
+        b["advantages"], b["returns"] = advantages.reshape(-1), returns.reshape(-1)
+        with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
+            b["proximal_logprobs"] = self.logprob(b["obs"], b["actions"])
+        for _ in range(args.update_epochs):
+            for mb_inds in torch.rand(self.batch_size, device=self.device).argsort().split(self.minibatch_size):
+                mb = b[mb_inds]
+                out = self.update(mb["obs"], mb["actions"], mb["logprobs"], mb["proximal_logprobs"],
+                                  mb["advantages"], mb["returns"], mb["values"])
+        self.trainer.publish()
+        explained_var = 1 - (b["returns"] - b["values"]).var() / b["returns"].var()
+        metrics = dict(zip(UPDATE_METRICS, (*out, explained_var)))
+        metrics["charts/learning_rate"] = self.optimizer.param_groups[0]["lr"]
+        metrics["async/ess"] = effective_sample_size(b["proximal_logprobs"] - b["logprobs"])
+        metrics.update(self.trainer.stats.summary())
+        logger.record(metrics)
+        logger.record_episodes(s["terminated"] | s["truncated"], s["episode_return"], s["episode_length"])
+        self.iteration += 1
+        self.global_step += self.batch_size
+
+    def state_dict(self):
+        return dict(agent=self.agent.state_dict(), optimizer=self.optimizer.state_dict(),
+                    global_step=self.global_step, iteration=self.iteration)
+
+    def load_state_dict(self, state):
+        # Collectors restart their envs on resume; the learner resumes exactly.
+        super().load_state_dict({**state, "envs": self.envs.state_dict(), "next_obs": torch.zeros(0)})
+
+    def close(self):
+        if self.trainer is not None:
+            self.trainer.close()
+
+
+def train_async(args: Args, make_envs, device=None) -> AsyncPPO | None:
+    """Async PPO (`--async`): `make_envs(seed=, device=)` builds one collector's envs (picklable for processes).
+    With `--transport distributed`, every torchrun rank calls this; collector ranks return None."""
+    device = device or leanrl.resolve_device(args.device)
+    leanrl.seed_everything(args.seed, args.torch_deterministic)
+    if args.transport == "distributed":
+        from leanrl.pipeline.distributed import is_collector_rank
+        if is_collector_rank(args.num_collectors):
+            leanrl.pipeline.start("distributed", args.num_collectors, ppo_collector,
+                                  (args, make_envs, torch.device("cpu")), None, None, max_lag=args.max_lag,
+                                  deterministic=args.deterministic)
+            return None
+    algo = AsyncPPO(args, make_envs, device)
+    try:
+        return leanrl.run(algo, args)
+    finally:
+        algo.close()

@@ -68,6 +68,7 @@ class TorchEnv:
     """`num_envs` copies of a physics step function, with SAME_STEP auto-reset and a time limit."""
 
     obs_dtype = torch.float32
+    on_device = True  # step is pure tensor code: algorithms may compile it and capture it with their own
 
     def __init__(self, num_envs: int, device="cpu", seed: int = 0, dtype: torch.dtype = torch.float64):
         self.num_envs, self.device, self._seed = num_envs, torch.device(device), seed

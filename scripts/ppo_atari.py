@@ -1,5 +1,6 @@
 """PPO on Atari (CleanRL's ppo_atari.py defaults): `python scripts/ppo_atari.py --compile --cudagraphs`."""
 
+import functools
 from dataclasses import dataclass
 
 import tyro
@@ -29,6 +30,9 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     ppo.check_args(args)
     device = resolve_device(args.device)
-    envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed, sticky_actions=args.sticky_actions)
-    ppo.train(args, envs, device)
-    envs.close()
+    if args.async_:  # each collector builds its own envs
+        ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs, sticky_actions=args.sticky_actions), device)
+    else:
+        envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed, sticky_actions=args.sticky_actions)
+        ppo.train(args, envs, device)
+        envs.close()

@@ -1,5 +1,6 @@
 """PPO on CartPole simulated in torch on the run's device: no host sync in the whole loop."""
 
+import functools
 from dataclasses import dataclass
 
 import tyro
@@ -41,6 +42,9 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     ppo.check_args(args)
     device = resolve_device(args.device)
-    envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed)
-    ppo.train(args, envs, device)
-    envs.close()
+    if args.async_:  # each collector builds its own envs
+        ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs), device)
+    else:
+        envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed)
+        ppo.train(args, envs, device)
+        envs.close()

@@ -1,5 +1,6 @@
 """PPO on MuJoCo (CleanRL's ppo_continuous_action.py defaults): `python scripts/ppo_continuous.py --compile`."""
 
+import functools
 from dataclasses import dataclass
 
 import tyro
@@ -37,6 +38,9 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     ppo.check_args(args)
     device = resolve_device(args.device)
-    envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed, gamma=args.gamma)
-    ppo.train(args, envs, device)
-    envs.close()
+    if args.async_:  # each collector builds its own envs
+        ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma), device)
+    else:
+        envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed, gamma=args.gamma)
+        ppo.train(args, envs, device)
+        envs.close()

@@ -193,3 +193,29 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
                            learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
                            total_timesteps=100_000, log_every=40)
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
+
+
+def test_whole_iteration_graph_matches_step_by_step_eager(tmp_path, monkeypatch):
+    """--graph-iteration (rollout on the on-device env, GAE and every epoch in one graph, phases compiled)
+    against plain eager, from the same seed. On CPU the graph falls back, the compiled phases remain."""
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # compiled code draws eager's numbers
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    agents = []
+    for mode in (dict(), dict(compile=True, cudagraphs=True, graph_iteration=True)):
+        args = ppo.Args(**{**CARTPOLE, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2, **mode})
+        leanrl.seed_everything(args.seed)
+        algo = ppo.PPO(args, make_env(args.env_id, args.num_envs, device=device), device)
+        algo.reset(args.seed)
+        logger = leanrl.Logger(str(tmp_path / str(len(agents))), {}, 1000, progress=False)
+        for _ in range(3):
+            algo.train_iteration(logger)
+        logger.close()
+        agents.append(algo.agent)
+    for (name, e), g in zip(agents[0].named_parameters(), agents[1].parameters()):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_graph_iteration_needs_an_on_device_env():
+    with pytest.raises(ValueError, match="--graph-iteration needs an on-device env"):
+        ppo.PPO(ppo.Args(graph_iteration=True, num_envs=1, num_steps=8, num_minibatches=1, total_timesteps=8),
+                make_env("Pendulum-v1", 1), torch.device("cpu"))

@@ -48,3 +48,21 @@ def test_unknown_env_id_fails_before_any_compile(tmp_path):
 def test_resume_from_a_missing_file_fails_before_any_compile(tmp_path):
     proc = run_script("ppo_cartpole.py", ["--resume", str(tmp_path / "missing.pt"), "--compile"], tmp_path)
     assert proc.returncode != 0 and "no checkpoint at" in proc.stderr
+
+
+def test_cartpole_runs_as_one_graph_per_iteration(tmp_path):
+    proc = run_script("ppo_cartpole.py", SCRIPTS["ppo_cartpole.py"] + ["--graph-iteration", "--cudagraphs"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    assert json.loads(open(metrics).readlines()[-1])["global_step"] == 4096
+
+
+@pytest.mark.parametrize("script", ["ppo_atari.py", "ppo_continuous.py"])
+def test_host_env_runs_resume_from_their_checkpoint(script, tmp_path):
+    assert run_script(script, SCRIPTS[script], tmp_path).returncode == 0
+    (ckpt,) = tmp_path.glob("*/checkpoint.pt")
+    flags = [f for f in SCRIPTS[script] if f != "2048"] + ["4096", "--resume", str(ckpt)]
+    proc = run_script(script, flags, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(ckpt.parent / "metrics.jsonl")]
+    assert rows[-1]["global_step"] == 4096

@@ -1,0 +1,135 @@
+"""What every transport shares: the async settings, the trainer's side of the protocol, the metrics.
+
+Versions: the trainer is at version v after v optimizer iterations; it consumes exactly one batch per
+version, batch number g ("ticket" g) at version g, and then publishes version g + 1. A collector takes
+ticket g only once the trainer has published version >= g - max_lag, and acts with that version or a
+newer one, so every transition of ticket g is at most max_lag versions old when it is consumed: the
+bound holds by construction (admission control), and the trainer checks it on every batch anyway.
+"""
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+import tyro
+
+TRANSPORTS = ("threads", "processes", "distributed")
+
+
+@dataclass
+class AsyncArgs:
+    async_: Annotated[bool, tyro.conf.arg(name="async")] = False
+    """run collectors and the trainer concurrently (weights updated in flight, bounded staleness)"""
+    num_collectors: int = 2
+    """number of collector roles (with --transport distributed: the torchrun world size minus one)"""
+    max_lag: int = 2
+    """hard bound on trainer version minus behaviour version of any consumed transition"""
+    correction: Literal["decoupled", "truncated_is", "none"] = "decoupled"
+    """stale-data correction: decoupled PPO (AReaL), truncated IS (PipelineRL), or none (naive PPO)"""
+    is_clip: float = 2.0
+    """truncation of the importance weights: behaviour ratio (truncated_is), proximal/behaviour (decoupled)"""
+    deterministic: bool = False
+    """batch i is produced exactly by version i - max_lag: bitwise reproducible whatever the speeds"""
+    transport: Literal["threads", "processes", "distributed"] = "threads"
+    """threads in one process, processes sharing memory, or torch.distributed ranks launched by torchrun"""
+
+
+def check_settings(transport, num_collectors, max_lag, deterministic):
+    if transport not in TRANSPORTS:
+        raise ValueError(f"--transport {transport!r}: choose one of {TRANSPORTS}")
+    if num_collectors < 1:
+        raise ValueError(f"--num-collectors {num_collectors}: needs at least one collector")
+    if max_lag < 0:
+        raise ValueError(f"--max-lag {max_lag}: the lag bound cannot be negative")
+    if deterministic and transport == "threads":
+        raise ValueError("--deterministic needs --transport processes or distributed: collector threads share "
+                         "torch's global random generator, so their draws interleave differently run to run")
+
+
+class CollectorError(RuntimeError):
+    """A collector raised; the message holds its traceback."""
+
+
+class Stats:
+    """Lag histogram, idle fractions and queue depth, read on the host once per batch (the lag check
+    needs the versions anyway)."""
+
+    def __init__(self, max_lag, collector_times):
+        self.hist = torch.zeros(max_lag + 1, dtype=torch.int64)
+        self.collector_times = collector_times  # per collector: [idle seconds, seconds since start]
+        self.t_start, self.trainer_idle, self.depth_sum, self.n = time.perf_counter(), 0.0, 0, 0
+
+    def summary(self) -> dict:
+        n = max(int(self.hist.sum()), 1)
+        lags = torch.arange(len(self.hist))
+        out = {"async/lag_mean": float((self.hist * lags).sum()) / n,
+               "async/lag_max": float(lags[self.hist > 0].max()) if self.hist.any() else 0.0,
+               "async/trainer_idle_frac": self.trainer_idle / max(time.perf_counter() - self.t_start, 1e-9),
+               "async/queue_depth": self.depth_sum / max(self.n, 1)}
+        times = self.collector_times
+        if times[:, 1].sum() > 0:
+            out["async/collector_idle_frac"] = float(times[:, 0].sum() / times[:, 1].sum())
+        out.update({f"async/lag_hist_{k}": float(c) for k, c in enumerate(self.hist.tolist())})
+        return out
+
+
+class Trainer:
+    """The trainer's side: `batch = trainer.next_batch()` (ticket `trainer.version`, in order), train on it,
+    then `trainer.publish(params)`. The batch is only valid until that publish. Subclasses provide
+    `_poll(timeout)` (a message or None) and `_slot(rank, seq)`."""
+
+    def __init__(self, ring, slots, stats, params, max_lag, timeout):
+        self.ring, self.slots, self.stats, self.params = ring, slots, stats, params
+        self.max_lag, self.timeout = max_lag, timeout
+        self.version = 0
+        self.ready = {}  # ticket -> (collector, sequence number), arrived ahead of its turn
+        self.next_seq = defaultdict(int)
+        self.consumed = []  # (ticket, collector, sequence number, lag), in consumption order
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _slot(self, rank, seq):
+        slots = self.slots[rank]
+        return slots[seq % slots.shape[0]]
+
+    def next_batch(self):
+        g, t0 = self.version, time.perf_counter()
+        while g not in self.ready:
+            msg = self._poll(0.05)
+            if self.timeout is not None and time.perf_counter() - t0 > self.timeout:
+                raise TimeoutError(f"no batch for ticket {g} in {self.timeout} s")
+            if msg is None:
+                continue
+            kind, rank, a, b = msg
+            if kind == "error":
+                raise CollectorError(f"collector {rank} raised:\n{a}")
+            # Sequence numbers: each collector's batches arrive numbered 0, 1, 2, ...; a gap is a lost
+            # batch, a repeat a duplicate, and a ticket already seen would be consumed twice.
+            if a != self.next_seq[rank]:
+                raise RuntimeError(f"collector {rank}: batch {a} arrived, expected {self.next_seq[rank]}")
+            if b < g or b in self.ready:
+                raise RuntimeError(f"ticket {b} from collector {rank} was already consumed or queued")
+            self.next_seq[rank] += 1
+            self.ready[b] = (rank, a)
+        self.stats.trainer_idle += time.perf_counter() - t0
+        rank, seq = self.ready.pop(g)
+        batch = self._slot(rank, seq)
+        lag = g - int(batch["version"].min())
+        if not 0 <= lag <= self.max_lag:
+            raise RuntimeError(f"ticket {g}: lag {lag} outside [0, max_lag={self.max_lag}]; a collector did not "
+                               "tag its steps with ctx.step_boundary()")
+        self.stats.hist[lag] += 1
+        self.stats.depth_sum += len(self.ready)
+        self.stats.n += 1
+        self.consumed.append((g, rank, seq, lag))
+        return batch
+
+    def publish(self, params=None):
+        self.version += 1
+        self.ring.publish(self.params if params is None else params, self.version)

@@ -1,0 +1,232 @@
+"""Collectors and trainer as torch.distributed ranks (gloo), launched by torchrun: rank 0 trains, ranks
+1..C collect. Point-to-point messages only; no home-made networking.
+
+gloo's point-to-point requests only complete inside `wait()`, so every receive runs in a thread of its
+own: one per collector on the trainer (batches), one on each collector (weights).
+
+Tickets are a fixed schedule (collector c takes c, c + C, c + 2C, ...), so admission only needs the newest
+version a collector has received. Weights: after every publish the trainer sends `[version, stop]` and
+the flat parameters to every collector. Double buffer: the receiving thread writes a staging buffer and
+files a copy under its version; the collector copies a filed version into its parameters, in place, only
+at a step boundary, so a forward pass never sees a half-received version.
+Batches: a header `[kind, ticket, seq, idle us, total us]`, then the batch's tensors (kind BATCH), a
+traceback (ERROR) or nothing (DONE: the collector has stopped and sends no more).
+"""
+
+import os
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from leanrl.pipeline.core import Stats, Trainer, check_settings
+from leanrl.pipeline.weights import _Stop
+
+BATCH, ERROR, DONE = 0, 1, 2
+BATCH_TAG, WEIGHT_TAG = 1, 2
+ERROR_BYTES = 1 << 16
+
+
+def is_collector_rank(num_collectors) -> bool:
+    """Join the torchrun group (gloo) and say whether this rank collects."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError("--transport distributed: launch with torchrun, e.g. `torchrun --nproc-per-node "
+                             f"{num_collectors + 1} scripts/ppo_cartpole.py --async --transport distributed`")
+        dist.init_process_group("gloo")
+    if dist.get_world_size() != num_collectors + 1:
+        raise ValueError(f"--num-collectors {num_collectors} needs a world of {num_collectors + 1} ranks "
+                         f"(one trainer), torchrun started {dist.get_world_size()}")
+    return dist.get_rank() != 0
+
+
+def _flat(params):
+    leaves = list(params.values(True, True))
+    if len({t.dtype for t in leaves}) != 1:
+        raise ValueError("--transport distributed sends the weights as one flat buffer: all parameters must "
+                         "share a dtype")
+    return leaves, torch.cat([t.detach().reshape(-1).cpu() for t in leaves])
+
+
+def _leaves(batch):
+    return [batch[k] for k in sorted(batch.keys(True, True), key=str)]
+
+
+class DistCollector:
+    def __init__(self, num_collectors, max_lag, deterministic):
+        self.rank = dist.get_rank() - 1
+        self.num_collectors, self.max_lag, self.deterministic = num_collectors, max_lag, deterministic
+        self.version, self.stopped = -1, threading.Event()
+        self.received = OrderedDict()  # version -> flat weights, the newest max_lag + 2
+        self.lock = threading.Lock()
+        self.t_start, self.idle = time.perf_counter(), 0.0
+
+    def _receive_weights(self, size):
+        header, staging = torch.zeros(2, dtype=torch.int64), torch.zeros(size)
+        while True:
+            dist.recv(header, 0, tag=WEIGHT_TAG)
+            dist.recv(staging, 0, tag=WEIGHT_TAG)
+            version, stop = header.tolist()
+            if stop:
+                self.stopped.set()
+                return
+            with self.lock:
+                self.received[version] = staging.clone()
+                while len(self.received) > self.max_lag + 2:
+                    self.received.popitem(last=False)
+
+    def _newest(self):
+        with self.lock:
+            return next(reversed(self.received)) if self.received else -1
+
+    def _wait(self, ready):
+        t0 = time.perf_counter()
+        while not ready():
+            if self.stopped.is_set():
+                raise _Stop
+            time.sleep(2e-4)
+        self.idle += time.perf_counter() - t0
+
+    def _load(self, version):
+        with self.lock:
+            flat = self.received[version]
+        torch._foreach_copy_(self.leaves, [c.view_as(t) for c, t in zip(flat.split(self.sizes), self.leaves)])
+        self.version = version
+
+    def batches(self, params, template):
+        self.leaves, flat = _flat(params)
+        self.sizes = [t.numel() for t in self.leaves]
+        threading.Thread(target=self._receive_weights, args=(flat.numel(),), daemon=True).start()
+        batch = template.clone()
+        j = 0
+        while True:
+            g = self.rank + j * self.num_collectors
+            want = max(g - self.max_lag, 0)
+            if self.deterministic:
+                self._wait(lambda: want in self.received)
+                self._load(want)
+            else:
+                self._wait(lambda: self._newest() >= want)
+                self._load(self._newest())
+            yield batch
+            self.send_header(BATCH, g, j)
+            for t in _leaves(batch):
+                dist.send(t.cpu(), 0, tag=BATCH_TAG)
+            j += 1
+
+    def send_header(self, kind, g=-1, j=-1):
+        times = [int(self.idle * 1e6), int((time.perf_counter() - self.t_start) * 1e6)]
+        dist.send(torch.tensor([kind, g, j, *times]), 0, tag=BATCH_TAG)
+
+    def step_boundary(self):
+        if self.stopped.is_set():
+            raise _Stop
+        if not self.deterministic and self._newest() > self.version:
+            self._load(self._newest())
+        return self.version
+
+
+class _Sender:
+    """The trainer's weight sends: one buffer per collector, reused once its previous send completed."""
+
+    def __init__(self, params, num_collectors):
+        _, flat = _flat(params)
+        self.buffers = [(torch.zeros(2, dtype=torch.int64), flat.clone()) for _ in range(num_collectors)]
+        self.work = [[] for _ in range(num_collectors)]
+
+    def publish(self, params, version, stop=0):
+        _, flat = _flat(params)
+        for c, (header, buf) in enumerate(self.buffers):
+            for w in self.work[c]:
+                w.wait()
+            header.copy_(torch.tensor([version, stop]))
+            buf.copy_(flat)
+            self.work[c] = [dist.isend(header, c + 1, tag=WEIGHT_TAG), dist.isend(buf, c + 1, tag=WEIGHT_TAG)]
+
+
+class DistTrainer(Trainer):
+    def __init__(self, num_collectors, batch_template, params, max_lag, timeout):
+        slots = [[batch_template.cpu().clone() for _ in range(max_lag + 1)] for _ in range(num_collectors)]
+        super().__init__(_Sender(params, num_collectors), slots, Stats(max_lag, torch.zeros(
+            num_collectors, 2, dtype=torch.float64)), params, max_lag, timeout)
+        self.messages = queue.Queue()
+        self.consumed_seq = [-1] * num_collectors
+        self.closing = False
+        self.receivers = [threading.Thread(target=self._receive_batches, args=(c,), daemon=True)
+                          for c in range(num_collectors)]
+        for r in self.receivers:
+            r.start()
+        self.ring.publish(params, 0)
+
+    def _receive_batches(self, c):
+        header, j = torch.zeros(5, dtype=torch.int64), 0
+        while True:
+            # Slot j % (max_lag + 1) is free once batch j - max_lag - 1 is consumed (see local.py).
+            while not self.closing and j - (self.max_lag + 1) > self.consumed_seq[c]:
+                time.sleep(2e-4)
+            dist.recv(header, c + 1, tag=BATCH_TAG)
+            kind, g, seq, idle_us, total_us = header.tolist()
+            self.stats.collector_times[c] = torch.tensor([idle_us, total_us], dtype=torch.float64) / 1e6
+            if kind == DONE:
+                return
+            if kind == ERROR:
+                text = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+                dist.recv(text, c + 1, tag=BATCH_TAG)
+                self.messages.put(("error", c, bytes(text.tolist()).rstrip(b"\0").decode(), None))
+                return
+            for t in _leaves(self.slots[c][j % (self.max_lag + 1)]):
+                dist.recv(t, c + 1, tag=BATCH_TAG)
+            self.messages.put(("batch", c, seq, g))
+            j += 1
+
+    def _slot(self, rank, seq):
+        return self.slots[rank][seq % (self.max_lag + 1)]
+
+    def publish(self, params=None):
+        self.consumed_seq[self.consumed[-1][1]] = self.consumed[-1][2]
+        super().publish(params)
+
+    def _poll(self, timeout):
+        try:
+            return self.messages.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self):
+        """Stop every collector, take in what they still send, and leave the group together."""
+        self.closing = True
+        self.ring.publish(self.params, self.version + 1, stop=1)
+        for works in self.ring.work:
+            for w in works:
+                w.wait()
+        for r in self.receivers:
+            r.join()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def start_distributed(num_collectors, collector_fn, fn_args, batch_template, params, *, max_lag,
+                      deterministic=False, timeout=None):
+    check_settings("distributed", num_collectors, max_lag, deterministic)
+    if not is_collector_rank(num_collectors):
+        return DistTrainer(num_collectors, batch_template, params, max_lag, timeout)
+    ctx = DistCollector(num_collectors, max_lag, deterministic)
+    try:
+        collector_fn(ctx, *fn_args)
+    except _Stop:
+        ctx.send_header(DONE)
+    except BaseException:
+        tb = traceback.format_exc().encode()[: ERROR_BYTES - 1]
+        text = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+        text[: len(tb)] = torch.tensor(list(tb), dtype=torch.uint8)
+        ctx.send_header(ERROR)
+        dist.send(text, 0, tag=BATCH_TAG)
+        ctx.stopped.wait()  # the trainer raises, then stops every role
+        raise
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

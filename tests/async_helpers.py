@@ -1,0 +1,39 @@
+"""Collector functions for tests/test_async.py (module level: spawned processes import them by name)."""
+
+import random
+import time
+
+import torch
+from tensordict import TensorDict
+
+STEPS, WIDTH = 4, 3
+
+
+def template():
+    return TensorDict(x=torch.zeros(STEPS, WIDTH), version=torch.zeros(STEPS, dtype=torch.int64),
+                      batch_size=[STEPS])
+
+
+def params():
+    return TensorDict(w=torch.zeros(WIDTH), b=torch.zeros(WIDTH))
+
+
+def toy_collector(ctx, delay_seed, max_delay, fail_at=None):
+    """Acts with its copy of the weights: x = w + b + noise from a per-collector generator; sleeps a random
+    (seeded by `delay_seed`, so different per run) time per step."""
+    local = params()
+    sleeps = random.Random(delay_seed * 100 + ctx.rank)
+    noise = torch.Generator().manual_seed(1000 + ctx.rank)
+    for j, batch in enumerate(ctx.batches(local, template())):
+        if j == fail_at:
+            raise ValueError(f"collector {ctx.rank} fails on batch {j} at {time.time()}")
+        for t in range(STEPS):
+            batch["version"][t] = ctx.step_boundary()
+            time.sleep(sleeps.uniform(0, max_delay))
+            batch["x"][t] = local["w"] + local["b"] + torch.rand(WIDTH, generator=noise)
+
+
+def toy_update(weights, batch):
+    """A deterministic 'optimizer step' that depends on everything in the batch."""
+    weights["w"].mul_(0.9).add_(batch["x"].mean(0))
+    weights["b"].copy_(batch["x"].std(0))

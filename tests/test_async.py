@@ -1,0 +1,216 @@
+"""The async collector/trainer split: admission control, exactly-once delivery, determinism, torn-read
+freedom, faults, torchrun, async PPO learning, and the stale-data losses against hand-computed values."""
+
+import functools
+import json
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import gymnasium as gym
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from algorithms import ppo
+from envs import make_env
+from leanrl import pipeline
+from leanrl.pipeline.weights import WeightRing
+
+sys.path.insert(0, os.path.dirname(__file__))
+from async_helpers import params, template, toy_collector, toy_update  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_toy(transport, num_collectors, max_lag, num_batches, delay_seed, max_delay, trainer_delay=0.0,
+            deterministic=False):
+    weights = params()
+    with pipeline.start(transport, num_collectors, toy_collector, (delay_seed, max_delay), template(), weights,
+                        max_lag=max_lag, deterministic=deterministic, timeout=60) as trainer:
+        sleeps = __import__("random").Random(delay_seed)
+        for _ in range(num_batches):
+            batch = trainer.next_batch()
+            time.sleep(sleeps.uniform(0, trainer_delay))
+            toy_update(weights, batch)
+            trainer.publish()
+    return weights, trainer
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_collectors=st.integers(1, 3), max_lag=st.integers(0, 3), delay_seed=st.integers(0, 10**6),
+       max_delay=st.sampled_from([0.0, 1e-4, 1e-3]), trainer_delay=st.sampled_from([0.0, 1e-3, 4e-3]))
+def test_lag_bounded_and_every_batch_consumed_once_in_order(num_collectors, max_lag, delay_seed, max_delay,
+                                                            trainer_delay):
+    n = 12
+    _, trainer = run_toy("threads", num_collectors, max_lag, n, delay_seed, max_delay, trainer_delay)
+    tickets, ranks, seqs, lags = zip(*trainer.consumed)
+    assert list(tickets) == list(range(n))  # each ticket once, in order
+    for r in set(ranks):  # each collector's batches: 0, 1, 2, ... with no gap or repeat
+        assert [s for rr, s in zip(ranks, seqs) if rr == r] == list(range(ranks.count(r)))
+    assert max(lags) <= max_lag and int(trainer.stats.hist.sum()) == n
+    assert trainer.stats.summary()["async/lag_max"] <= max_lag
+
+
+def test_deterministic_mode_is_bitwise_reproducible_whatever_the_delays():
+    # Different per-step sleeps (collectors) and per-batch sleeps (trainer), same seeds: same parameters.
+    a, ta = run_toy("processes", 2, 2, 10, delay_seed=1, max_delay=0.0, deterministic=True)
+    b, tb = run_toy("processes", 2, 2, 10, delay_seed=2, max_delay=0.01, trainer_delay=0.02, deterministic=True)
+    for k in ("w", "b"):
+        assert torch.equal(a[k], b[k]), k
+    # Batch i was produced by version i - K exactly (or 0 for the first K).
+    assert [lag for *_, lag in ta.consumed] == [min(i, 2) for i in range(10)] == [lag for *_, lag in tb.consumed]
+
+
+def test_no_torn_reads_under_concurrent_publishing():
+    """The writer fills every leaf with its version; a reader's copy must be uniform and equal to the version
+    `read_into` returns. Many leaves, so an unprotected copy would interleave with the writer."""
+    leaves = {f"p{i}": torch.zeros(64) for i in range(32)}
+    shared, local = TensorDict(leaves), TensorDict({k: torch.zeros(64) for k in leaves})
+    ring, done = WeightRing(shared, slots=2, shared=False), threading.Event()
+
+    def writer():
+        v = 0
+        while not done.is_set():
+            shared.apply_(lambda t: t.fill_(float(v)))
+            ring.publish(shared, v)
+            v += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        seen = set()
+        deadline = time.time() + 3
+        while time.time() < deadline and len(seen) < 200:
+            version = ring.read_into(local)
+            values = torch.stack(list(local.values()))
+            assert (values == version).all(), (version, values.unique())
+            seen.add(version)
+    finally:
+        done.set()
+        thread.join()
+    assert len(seen) > 5  # the reads did overlap many publishes
+
+
+def test_a_raising_collector_reaches_the_trainer_with_its_traceback():
+    weights = params()
+    with pytest.raises(pipeline.CollectorError) as err:
+        with pipeline.start("processes", 2, toy_collector, (0, 0.0, 1), template(), weights, max_lag=1) as trainer:
+            while True:
+                trainer.next_batch()
+                trainer.publish()
+    raised_at = float(re.search(r"fails on batch 1 at ([\d.]+)", str(err.value))[1])
+    assert time.time() - raised_at < 10
+    assert "Traceback" in str(err.value) and "toy_collector" in str(err.value)
+    assert multiprocessing.active_children() == []  # no collector left behind
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_lag=-1), "--max-lag -1"),
+    (dict(num_collectors=0), "--num-collectors 0"),
+    (dict(deterministic=True), "--deterministic needs --transport processes or distributed"),
+    (dict(transport="sockets"), "--transport 'sockets'"),
+])
+def test_bad_settings_are_clear_errors(kw, message):
+    settings_ = dict(transport="threads", num_collectors=1, max_lag=1, deterministic=False) | kw
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pipeline.check_settings(**settings_)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+           os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport", "distributed",
+           "--num-collectors", "2", "--max-lag", "2", "--total-timesteps", "2560", "--num-steps", "32",
+           "--update-epochs", "2", "--run-dir", str(tmp_path), "--no-progress", "--log-every", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    last = [json.loads(line) for line in open(metrics)][-1]
+    assert last["global_step"] == 2560 and last["async/lag_max"] <= 2
+    assert (metrics.parent / "checkpoint.pt").is_file()
+
+
+def test_async_ppo_solves_on_device_cartpole_with_max_lag_2(tmp_path):
+    # test_ppo_solves_on_device_cartpole's settings, collected by two collector threads, max_lag 2.
+    args = ppo.Args(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=32, num_minibatches=1,
+                    update_epochs=20, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
+                    total_timesteps=100_000, log_every=40, checkpoint_every=0, progress=False,
+                    run_dir=str(tmp_path), async_=True, num_collectors=2, max_lag=2, correction="decoupled")
+    trained = ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs), torch.device("cpu"))
+    assert trained.logged["charts/episodic_return"] >= 475, trained.logged
+    assert trained.logged["async/lag_max"] <= 2 and 0 < trained.logged["async/ess"] <= 1
+
+
+# ------------------------------------------------------------------------------ the stale-data losses
+def _loss_inputs():
+    torch.manual_seed(0)
+    agent = ppo.make_agent(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(3))
+    B = 6
+    return agent, torch.randn(B, 4), torch.randint(0, 3, (B,)), torch.randn(B) * 0.3 - 1.1, \
+        torch.randn(B) * 0.3 - 1.1, torch.randn(B), torch.randn(B), torch.randn(B)
+
+
+KW = dict(clip_coef=0.2, clip_vloss=False, norm_adv=False, ent_coef=0.01, vf_coef=0.5)
+
+
+def test_truncated_is_loss_against_hand_computed_values():
+    agent, obs, actions, behaviour, _, adv, returns, values = _loss_inputs()
+    loss, m = ppo.truncated_is_loss(agent, obs, actions, behaviour, adv, returns, values, is_clip=1.5, **KW)
+    with torch.no_grad():
+        dist = torch.distributions.Categorical(logits=agent.actor(obs))
+        logp, ent = dist.log_prob(actions), dist.entropy()
+        newvalue = agent.critic(obs).squeeze(-1)
+    pg = sum(-min((lp - b).exp().item(), 1.5) * a * lp for lp, b, a in zip(logp, behaviour, adv)) / 6
+    v = 0.5 * ((newvalue - returns) ** 2).mean()
+    torch.testing.assert_close(m["pg_loss"], pg)
+    torch.testing.assert_close(loss, pg - 0.01 * ent.mean() + 0.5 * v)
+    # The gradient: below the clip, the weight is pi/mu (detached) times grad log pi.
+    loss.backward()
+    agent2 = ppo.make_agent(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(3))
+    agent2.load_state_dict(agent.state_dict())
+    logp2 = torch.distributions.Categorical(logits=agent2.actor(obs)).log_prob(actions)
+    w = (logp2.detach() - behaviour).exp().clamp(max=1.5)
+    (-(w * adv * logp2).mean()).backward()
+    torch.testing.assert_close(agent.actor[-1].weight.grad, agent2.actor[-1].weight.grad - 0.01 * torch.autograd.grad(
+        torch.distributions.Categorical(logits=agent2.actor(obs)).entropy().mean(), agent2.actor[-1].weight)[0])
+
+
+def test_decoupled_loss_against_hand_computed_values():
+    agent, obs, actions, behaviour, proximal, adv, returns, values = _loss_inputs()
+    loss, m = ppo.decoupled_ppo_loss(agent, obs, actions, behaviour, proximal, adv, returns, values, is_clip=2.0,
+                                     **KW)
+    with torch.no_grad():
+        dist = torch.distributions.Categorical(logits=agent.actor(obs))
+        logp, ent = dist.log_prob(actions), dist.entropy()
+        newvalue = agent.critic(obs).squeeze(-1)
+    terms = []
+    for lp, b, p, a in zip(logp.tolist(), behaviour.tolist(), proximal.tolist(), adv.tolist()):
+        w = min(pow(2.718281828459045, p - b), 2.0)  # proximal / behaviour, truncated
+        r = pow(2.718281828459045, lp - p)  # trust region around the proximal policy
+        terms.append(-w * min(r * a, min(max(r, 0.8), 1.2) * a))
+    pg = torch.tensor(sum(terms) / 6)
+    v = 0.5 * ((newvalue - returns) ** 2).mean()
+    torch.testing.assert_close(m["pg_loss"], pg, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, pg - 0.01 * ent.mean() + 0.5 * v, rtol=1e-5, atol=1e-6)
+    # On-policy (behaviour == proximal) it is plain PPO.
+    same, _ = ppo.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0, **KW)
+    plain, _ = ppo.ppo_loss(agent, obs, actions, proximal, adv, returns, values, **KW)
+    torch.testing.assert_close(same, plain)
+
+
+def test_effective_sample_size():
+    assert ppo.effective_sample_size(torch.zeros(10)).item() == pytest.approx(1.0)
+    assert ppo.effective_sample_size(torch.tensor([0.0, -100.0, -100.0, -100.0])).item() == pytest.approx(0.25)
