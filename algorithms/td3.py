@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import TensorDict, from_module, from_modules
+from torch.func import functional_call
 
 import leanrl
 from leanrl.replay import evaluate, load_replay_state_dict, make_replay_buffer, replay_state_dict
@@ -126,12 +127,14 @@ class Actor(nn.Module):
 
 
 def make_twin_q(qnet):
-    """Both critics in one call: `twin_q(params, obs, action)` -> (2, batch), where `params` is the stacked
-    TensorDict of the two networks' weights and `qnet` a weightless (meta) copy of the architecture."""
+    """One critic, `q_value(params, obs, action)` -> (batch,), and both in one call, `twin_q(params, obs, action)`
+    -> (2, batch), where `params` is the stacked TensorDict of the two networks' weights and `qnet` a weightless
+    (meta) copy of the architecture."""
 
     def q_value(params, obs, action):
-        with params.to_module(qnet):
-            return qnet(obs, action)
+        # LeanRL's `with params.to_module(qnet)` here makes torch 2.13's Dynamo fail (an internal error, at the
+        # first compiled call, under no_grad); functional_call is the same computation and compiles.
+        return functional_call(qnet, dict(params.flatten_keys(".").items()), (obs, action))
 
     return q_value, torch.vmap(q_value, (0, None, None))
 
@@ -252,6 +255,7 @@ class TD3:
         self.critic_out = self.actor_out = None  # the last update outputs, read at log boundaries
         self.logged = {}  # the last values written to the log (set by leanrl.run)
         self.global_step = self.iteration = 0
+        self.updates = 0  # critic updates by this process (compile and capture happen in the first few)
         self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
 
     def random_actions(self):
@@ -276,11 +280,16 @@ class TD3:
         self.global_step += n
         self.iteration += 1
         if self.global_step - self.fill_start > args.learning_starts:
+            self.updates += 1
             data = self.rb.sample()
             self.critic_out = self.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
                                                  data["terminated"])
             if self.iteration % args.policy_frequency == 0:
                 self.actor_out = self.update_actor(data["obs"])
+        if self.updates == 3 * args.policy_frequency + 1:
+            # Every function has now been compiled and captured (CUDA graphs capture at the third call): start
+            # the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+            logger.burn_in = logger.iterations + 1
         if args.eval_every and self.global_step // args.eval_every > (self.global_step - n) // args.eval_every:
             logger.record({"charts/eval_return": evaluate(self.eval_policy, self.eval_envs, args.seed + 10_000)})
         logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
@@ -320,9 +329,12 @@ class TD3:
         self.targets.update_(state["targets"])
         self.q_optimizer.load_state_dict(state["q_optimizer"])
         self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        self.envs.load_state_dict(state["envs"])
-        self.obs = state["obs"].to(self.device)
         self.global_step, self.iteration = state["global_step"], state["iteration"]
+        self.envs.load_state_dict(state["envs"])
+        if "state" in state["envs"]:  # an on-device env restores its simulation: continue mid-episode, exactly
+            self.obs = state["obs"].to(self.device)
+        else:  # a host env (gymnasium, ALE) cannot: start fresh episodes
+            self.obs = self.envs.reset(seed=self.args.seed + self.global_step)
         restored = load_replay_state_dict(self.rb, state["replay_buffer"])
         self.fill_start = state["fill_start"] if restored else self.global_step
 

@@ -36,52 +36,52 @@ def shape(shapes: list) -> str:
 
 
 def algo_table(name: str, algo: dict) -> str:
-    """One markdown table: a row per figure, a column per mode; ratios are against eager in the same run."""
+    """One markdown table: a row per figure, a column per mode; ratios are against eager in the same run.
+    A row is left out when no mode has its figure (capture time and GPU busy on a CPU machine)."""
     modes = [m for m in MODES if m in algo["modes"]]
-    eager = algo["modes"].get("eager", {})
-    eager = eager if eager.get("status") == "ok" else None
+    ok = [r for r in algo["modes"].values() if r["status"] == "ok"]
+    eager = algo["modes"].get("eager") if algo["modes"].get("eager", {}).get("status") == "ok" else None
     rows = []
 
     def row(label, value, text=fmt, ratio=None):
-        """`value(r)` gives the figure of an ok mode (None: does not apply); `ratio(eager_value, value)`."""
-        cells = []
+        """`value(r)`: the figure of an ok mode, None where it does not apply; `ratio(eager's, this)`."""
+        cells, any_value = [], False
         for m in modes:
             r = algo["modes"][m]
             cell = mode_cell(r)
             if cell is None:
                 v = value(r)
+                any_value |= v is not None
                 cell = NOT_APPLICABLE if v is None else text(v)
-                if v is not None and ratio and eager and m != "eager" and value(eager) is not None:
+                if v is not None and ratio and eager and m != "eager":
                     cell += f" ({ratio(value(eager), v):.2f}x)"
             cells.append(cell)
-        if any(c not in (NOT_APPLICABLE, "not run") and not c.startswith(("n/a", "error")) for c in cells):
+        if any_value:
             rows.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    fns = next((list(r["calls"]) for r in algo["modes"].values() if r["status"] == "ok"), [])
-    for fn in fns:
-        shapes = next(r["calls"][fn]["input_shapes"] for r in algo["modes"].values() if r["status"] == "ok")
-        row(f"`{fn}` ms/call, median ± IQR [{shape(shapes)}]", lambda r, fn=fn: r["calls"][fn],
-            lambda c: f"{fmt(c['median_ms'])} ± {fmt(c['iqr_ms'])}",
-            lambda e, c: e["median_ms"] / c["median_ms"])
-    row("end-to-end env-steps/s", lambda r: r["sps"], ratio=lambda e, v: v / e)
     def per_fn(key):
         return lambda r: {fn: c[key] for fn, c in r["calls"].items() if key in c} or None
 
-    def seconds(d):
-        return ", ".join(f"{fn} {fmt(v)}" for fn, v in d.items())
+    def listed(d, text=fmt):
+        return ", ".join(f"{fn} {text(v)}" for fn, v in d.items())
 
-    row("compile s (first call)", lambda r: per_fn("compile_s")(r) and (per_fn("compile_s")(r), r["compile_cache"]),
-        lambda v: seconds(v[0]) + (" (warm inductor cache)" if v[1] == "warm" else ""))
-    row("capture s (capture call)", per_fn("capture_s"), seconds)
-    row("GPU busy (kernel time / wall)", per_fn("gpu_busy"), lambda d: ", ".join(f"{fn} {v:.0%}" for fn, v in d.items()))
-    memory = "GPU allocated" if algo.get("device", "cpu").startswith("cuda") else "RSS"
+    for fn in ok[0]["calls"] if ok else ():
+        row(f"`{fn}` ms/call, median ± IQR [{shape(ok[0]['calls'][fn]['input_shapes'])}]",
+            lambda r, fn=fn: r["calls"][fn], lambda c: f"{fmt(c['median_ms'])} ± {fmt(c['iqr_ms'])}",
+            lambda e, c: e["median_ms"] / c["median_ms"])
+    row("end-to-end env-steps/s", lambda r: r["sps"], ratio=lambda e, v: v / e)
+    row("compile s (first call; inductor cache)",
+        lambda r: {fn: (c["compile_s"], c["inductor_cache"]) for fn, c in r["calls"].items() if "compile_s" in c} or None,
+        lambda d: ", ".join(f"{fn} {fmt(t)} ({cache})" for fn, (t, cache) in d.items()))
+    row("capture s (capture call)", per_fn("capture_s"), listed)
+    row("GPU busy (kernel time / wall)", per_fn("gpu_busy"), lambda d: listed(d, lambda v: f"{v:.0%}"))
+    memory = "GPU allocated" if algo["device"].startswith("cuda") else "RSS"
     row(f"peak {memory} growth MB (build + first calls + burn-in)", lambda r: r["memory_growth_mb"])
     row("burn-in s (first training iterations)", lambda r: r["burn_in_s"])
 
     header = f"| {name} ({algo['env_id']}, {algo['num_envs']} envs) | " + " | ".join(modes) + " |"
-    lines = [header, "|" + "---|" * (len(modes) + 1), *rows]
-    notes = sorted({f"{m}: {r['reason']}" for m, r in algo["modes"].items() if r["status"] != "ok"})
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+    notes = sorted({f"- {m}: {r['reason']}" for m, r in algo["modes"].items() if r["status"] != "ok"})
+    return "\n".join([header, "|" + "---|" * (len(modes) + 1), *rows, "", *notes])
 
 
 def scaling_table(name: str, scaling: dict) -> str:
@@ -94,7 +94,8 @@ def scaling_table(name: str, scaling: dict) -> str:
         cells = [mode_cell(scaling["modes"][m]) or (f"{fmt(ok[m][n]['sps'])} ({fmt(ok[m][n]['policy_ms'])})"
                                                     if n in ok[m] else NOT_APPLICABLE) for m in modes]
         lines.append(f"| {n} envs | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = sorted({f"- {m}: {r['reason']}" for m, r in scaling["modes"].items() if "reason" in r})
+    return "\n".join([*lines, "", *notes])
 
 
 def targets_markdown(targets: list) -> str:
@@ -165,15 +166,18 @@ def algo_chart(name: str, algo: dict, machine: str, path: str):
 
 def scaling_chart(name: str, scaling: dict, machine: str, path: str):
     fig, ax = plt.subplots(figsize=(6, 4))
+    ok = False
     for i, m in enumerate(m for m in MODES if m in scaling["modes"]):
         r = scaling["modes"][m]
         if r["status"] == "ok":
+            ok = True
             ax.plot([p["num_envs"] for p in r["points"]], [p["sps"] for p in r["points"]], "o-", color=f"C{i}",
                     label=m)
         else:
             ax.plot([], [], color=f"C{i}", label=f"{m}: {mode_cell(r)}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if ok:
+        ax.set_yscale("log")
     ax.set_xlabel("parallel envs")
     ax.set_ylabel("env-steps/s, end to end")
     ax.set_title(f"{name} ({scaling['env_id']}) on {machine}", fontsize=9)

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import targets  # noqa: E402
-from entries import ENTRIES, MODES, SCALING, load_args_class, missing  # noqa: E402
+from entries import ENTRIES, MODES, SCALING, make_args, missing  # noqa: E402
 import torch  # noqa: E402
 
 from leanrl import resolve_device  # noqa: E402
@@ -56,21 +56,19 @@ def spawn(name: str, modes: list, device, a, cache_dir: str | None) -> dict:
 
 
 def measure_entry(name: str, modes: list, device, a, cache_dir: str | None, commit: str | None) -> dict:
+    t = time.perf_counter()
     runnable = [m for m in modes if device.type == "cuda" or not MODES[m][1]]
     measured = {m: NO_CUDA for m in modes if m not in runnable}
     if runnable:
         print(f"{name}: {', '.join(runnable)}", file=sys.stderr, flush=True)
         measured.update(spawn(name, runnable, device, a, cache_dir))
-    compiled_before = False
-    for m in modes if name in ENTRIES else ():  # a later compile mode reuses the first one's inductor cache
-        if measured[m]["status"] == "ok" and MODES[m][0]:
-            measured[m]["compile_cache"] = "warm" if compiled_before else "cold"
-            compiled_before = True
-    entry = ENTRIES[SCALING[name].entry if name in SCALING else name]
-    args = load_args_class(entry.script)(**(entry.quick if a.quick else {}),
-                                         **(SCALING[name].overrides if name in SCALING else {}))
+    if name in SCALING:
+        args = make_args(SCALING[name].entry, a.quick, **SCALING[name].overrides)
+    else:
+        args = make_args(name, a.quick)
+    print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     return dict(env_id=args.env_id, num_envs=args.num_envs, device=str(device), commit=commit,
-                threads=a.threads or torch.get_num_threads(),
+                threads=a.threads or torch.get_num_threads(), wall_s=time.perf_counter() - t,
                 measured_at=time.strftime("%Y-%m-%d %H:%M"), modes={m: measured[m] for m in modes})
 
 
@@ -105,6 +103,8 @@ def main():
     p.add_argument("--repeats", type=int, default=50, help="most timed samples per function (fewer for slow ones)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a CI smoke run")
     p.add_argument("--out", help="results folder (default: benchmarks/results/<machine>[-quick])")
+    p.add_argument("--cold-compile", action="store_true",
+                   help="start from an empty inductor cache, so compile times are those of a new machine")
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core); on a machine "
                    "shared with other jobs, 1 avoids measuring OpenMP threads waiting for a descheduled peer")
@@ -131,16 +131,16 @@ def main():
     if load > os.cpu_count() - 0.5 and not a.threads and device.type == "cpu":
         print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: timings with several torch threads "
               "will be noisy; consider --threads 1", file=sys.stderr)
-    # A fresh inductor cache per run: the first compile of each function is cold, as on a new machine.
-    # --quick measures no compile time worth keeping, and keeps torch's default cache to stay short.
+    # --cold-compile: an empty inductor cache for the run, so every first compile is cold, as on a new
+    # machine. Otherwise torch's own cache, and each compile time says whether it came from it.
     with tempfile.TemporaryDirectory(prefix="leanrl-inductor-") as fresh:
         for name in names:
             group = "scaling" if name in SCALING else "algos"
-            results[group][name] = measure_entry(name, modes, device, a, None if a.quick else fresh,
+            results[group][name] = measure_entry(name, modes, device, a, fresh if a.cold_compile else None,
                                                  machine["commit"])
     settings = dict(quick=a.quick, repeats=a.repeats, device=str(device),
                     threads=a.threads or torch.get_num_threads(),
-                    inductor_cache="torch default" if a.quick else "fresh per run (cold compile)",
+                    inductor_cache="empty at start (--cold-compile)" if a.cold_compile else "torch's default",
                     load_average=f"{load:.2f} at start, {os.getloadavg()[0]:.2f} at end")  # text: 0.00 is real
     results = dict(machine=machine, created=time.strftime("%Y-%m-%d %H:%M"), settings=settings, **results)
     results["targets"] = targets.check(results)

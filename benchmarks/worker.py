@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 import leanrl  # noqa: E402
 from entries import ENTRIES, MODES, SCALING, build  # noqa: E402
@@ -29,7 +30,7 @@ from measure import gpu_busy, memory_growth_mb, memory_mark, sync, time_interlea
 WARMUP = inspect.signature(leanrl.accelerate).parameters["warmup"].default
 # Seconds per mode spent timing each function and timing end-to-end training: enough samples for a
 # stable median on a shared CPU, short enough for the whole suite in one 10-minute GPU call.
-BUDGETS = {"cpu": dict(budget_s=8.0, measure_s=10.0), "cuda": dict(budget_s=1.5, measure_s=3.0),
+BUDGETS = {"cpu": dict(budget_s=4.0, measure_s=6.0), "cuda": dict(budget_s=1.0, measure_s=2.0),
            "quick": dict(budget_s=0.3, measure_s=0.3)}
 
 
@@ -45,46 +46,60 @@ class Run:
         self.mode, self.device = mode, device
         self.graphs = cudagraphs and device.type == "cuda"
         mark = memory_mark(device)
-        self.algo, self.envs, _ = build(name, mode, device, quick, **overrides)
+        self.algo, self.envs, self.args = build(name, mode, device, quick, **overrides)
         self.calls = self.algo.benchmark_calls()
         self.result = dict(status="ok", calls={})
         for fn_name, (fn, args) in self.calls.items():
+            cache = dict(counters["inductor"])
             first = [timed(fn, args, device) for _ in range(WARMUP + 1)]
             c = self.result["calls"][fn_name] = dict(
                 first_calls_s=first, input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)])
             if compile:
                 c["compile_s"] = first[0]  # dynamo and inductor run inside the first call
+                c["inductor_cache"] = cache_state(cache)
             if self.graphs:
                 c["capture_s"] = first[WARMUP - 1]
             log(f"  {name} {mode} {fn_name}: first calls " + ", ".join(f"{t:.3g}" for t in first) + " s")
         self.logger = leanrl.Logger(run_dir, {}, total_steps=0, progress=False, burn_in=1)
-        # The phases not in benchmark_calls compile on their first call and are captured on call WARMUP.
+        # Off-policy, the buffer fills to learning_starts first; then the phases not in benchmark_calls
+        # compile on their first call and are captured on call WARMUP.
         t = time.perf_counter()
+        while self.algo.global_step <= getattr(self.args, "learning_starts", -1):
+            self.iteration()
         for _ in range(WARMUP if self.graphs else 1):
             self.iteration()
+        sync(device)
         self.result["burn_in_s"] = time.perf_counter() - t
         self.result["memory_growth_mb"] = memory_growth_mb(device, mark)
         self.seconds = self.steps = self.iterations = 0
 
-    def iteration(self) -> float:
-        """One training iteration, logged as `leanrl.run` does by default; returns its seconds."""
-        sync(self.device)
-        t = time.perf_counter()
+    def iteration(self):
+        """One training iteration, logged as `leanrl.run` logs it."""
         self.algo.train_iteration(self.logger)
         self.logger.end_iteration(self.algo.global_step)
-        self.logger.flush()  # one device-to-host read, as with the default --log-every 1
-        sync(self.device)
-        return time.perf_counter() - t
+        if self.algo.iteration % self.args.log_every == 0:
+            self.logger.flush()  # the one device-to-host read of a log boundary
 
-    def timed_iteration(self):
-        step = self.algo.global_step
-        self.seconds += self.iteration()
+    def timed_block(self, block_s: float):
+        """Iterations for `block_s` seconds (at least one), timed as a whole: no sync in between."""
+        sync(self.device)
+        t, step = time.perf_counter(), self.algo.global_step
+        while time.perf_counter() - t < block_s:
+            self.iteration()
+            self.iterations += 1
+        sync(self.device)
+        self.seconds += time.perf_counter() - t
         self.steps += self.algo.global_step - step
-        self.iterations += 1
 
     def close(self):
         self.logger.close()
         self.envs.close()
+
+
+def cache_state(before: dict) -> str:
+    """Whether the graphs compiled since `before` (inductor's counters) came from its on-disk cache."""
+    hits, misses = (counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
+    return "cold" if not hits else "warm" if not misses else "partly warm"
 
 
 def guarded(runs: dict, what: str, fn):
@@ -124,9 +139,9 @@ def measure(name, modes, device, quick, repeats, **overrides) -> dict:
                     if fraction is not None:
                         c["gpu_busy"] = fraction
             guarded(alive, "GPU profile", busy)
-        # Training iterations in turn too, until every mode has run `measure_s` (at least one each).
+        # Training in turns too, a block of iterations each, until every mode has trained `measure_s`.
         while alive and min(r.seconds for r in alive.values()) < budget["measure_s"]:
-            guarded(alive, "training", Run.timed_iteration)
+            guarded(alive, "training", lambda run: run.timed_block(budget["measure_s"] / 5))
         for mode, run in runs.items():
             if run.result["status"] == "ok":
                 run.result.update(sps=run.steps / run.seconds, train_iterations=run.iterations)
@@ -140,17 +155,18 @@ def measure_scaling(name, modes, device, quick, repeats) -> dict:
     """End-to-end env-steps/s and the policy's time per call at each number of parallel envs."""
     spec = SCALING[name]
     sizes = spec.sizes_quick if quick else spec.sizes_gpu if device.type == "cuda" else spec.sizes
-    points = {m: [] for m in modes}
-    errors = {}
+    points, errors = {m: [] for m in modes}, {m: [] for m in modes}
     for num_envs in sizes:
         torch._dynamo.reset()  # each size compiles with static shapes, as a fresh run of that size would
+        log(f"{name}: {num_envs} envs")
         for mode, r in measure(spec.entry, modes, device, quick, repeats, num_envs=num_envs,
                                **spec.overrides).items():
             if r["status"] == "ok":
                 points[mode].append(dict(num_envs=num_envs, sps=r["sps"], policy_ms=r["calls"]["policy"]["median_ms"]))
             else:
-                errors.setdefault(mode, dict(status="error", reason=f"{num_envs} envs: {r['reason']}"))
-    return {m: errors.get(m) or dict(status="ok", points=points[m]) for m in modes}
+                errors[mode].append(f"{num_envs} envs: {r['reason']}")
+    return {m: dict(status="ok" if points[m] else "error", points=points[m],
+                    **({"reason": "; ".join(errors[m])[:500]} if errors[m] else {})) for m in modes}
 
 
 def main():

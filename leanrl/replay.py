@@ -4,6 +4,7 @@ and a periodic deterministic evaluation on an env of its own."""
 import sys
 
 import torch
+from tensordict import TensorDict
 from torch.utils._pytree import tree_map
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -31,7 +32,13 @@ def load_replay_state_dict(rb: ReplayBuffer, state) -> bool:
               file=sys.stderr)
         return False
     device = rb.storage.device
-    rb.load_state_dict(tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, state))
+    state = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, state)
+    if not rb.storage.initialized:
+        # torchrl 0.14 loads into an empty storage without its batch size (sampling then fails): allocate it with
+        # one transition of the saved shapes and dtypes first; the load below overwrites it, cursor included.
+        stored = TensorDict(state["_storage"]["_storage"], batch_size=[rb.storage.max_size]).unflatten_keys(".")
+        rb.extend(stored[:1])
+    rb.load_state_dict(state)
     return True
 
 

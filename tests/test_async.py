@@ -144,14 +144,17 @@ def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):
 
 
 def test_async_ppo_solves_on_device_cartpole_with_max_lag_2(tmp_path):
-    # test_ppo_solves_on_device_cartpole's settings, collected by two collector threads, max_lag 2.
+    # test_ppo_solves_on_device_cartpole's settings, two collector processes, every batch exactly 2 versions
+    # old (deterministic mode: the worst lag allowed, and a result that does not depend on this machine's load;
+    # with threads the run is as good on average but varies with the timing).
     args = ppo.Args(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=32, num_minibatches=1,
                     update_epochs=20, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
                     total_timesteps=100_000, log_every=40, checkpoint_every=0, progress=False,
-                    run_dir=str(tmp_path), async_=True, num_collectors=2, max_lag=2, correction="decoupled")
+                    run_dir=str(tmp_path), async_=True, num_collectors=2, max_lag=2, correction="decoupled",
+                    transport="processes", deterministic=True)
     trained = ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs), torch.device("cpu"))
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
-    assert trained.logged["async/lag_max"] <= 2 and 0 < trained.logged["async/ess"] <= 1
+    assert trained.logged["async/lag_max"] == 2 and 0 < trained.logged["async/ess"] <= 1
 
 
 # ------------------------------------------------------------------------------ the stale-data losses
@@ -214,3 +217,43 @@ def test_decoupled_loss_against_hand_computed_values():
 def test_effective_sample_size():
     assert ppo.effective_sample_size(torch.zeros(10)).item() == pytest.approx(1.0)
     assert ppo.effective_sample_size(torch.tensor([0.0, -100.0, -100.0, -100.0])).item() == pytest.approx(0.25)
+
+
+def descendants(pid):
+    """Pids of every process below `pid` (read from /proc)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parents.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the collector processes")
+def test_sigterm_stops_every_role_with_a_final_checkpoint(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport", "processes",
+           "--num-collectors", "2", "--total-timesteps", "10000000", "--run-dir", str(tmp_path), "--no-progress",
+           "--log-every", "1", "--checkpoint-every", "0", "--update-epochs", "1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not list(tmp_path.glob("*/metrics.jsonl")) or os.path.getsize(next(tmp_path.glob("*/metrics.jsonl"))) == 0:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.5)
+    children = descendants(proc.pid)
+    assert len(children) >= 2  # the collectors (and multiprocessing's resource tracker)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert "checkpoint saved" in err or "checkpoint saved" in _, err[-3000:]
+    assert next(tmp_path.glob("*/checkpoint.pt")).is_file()
+    deadline = time.time() + 15  # the resource tracker may take a moment to clean up after its parent
+    while [p for p in children if os.path.exists(f"/proc/{p}")] and time.time() < deadline:
+        time.sleep(0.2)
+    assert [p for p in children if os.path.exists(f"/proc/{p}")] == []

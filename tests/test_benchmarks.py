@@ -21,12 +21,13 @@ def bench(*flags, script="run.py"):
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
-    """CartPole in every mode, then Atari eager into the same folder (an earlier run's entries are kept).
-    One torch thread: the 2-core CI machines are shared, where two threads mostly wait for each other."""
+    """CartPole in every mode, then Atari and the scaling curve eager into the same folder (an earlier run's
+    entries are kept). One torch thread: on a shared 2-core machine two threads mostly wait for each other."""
     out = tmp_path_factory.mktemp("bench")
     first = bench("--quick", "--algos", "ppo_cartpole", "--threads", "1", "--out", str(out))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = bench("--quick", "--algos", "ppo_atari", "--modes", "eager", "--threads", "1", "--out", str(out))
+    second = bench("--quick", "--algos", "ppo_atari,cartpole_scaling", "--modes", "eager", "--threads", "1",
+                   "--out", str(out))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "kept from an earlier run" in second.stdout and "ppo_cartpole" in second.stdout
     assert "| ppo_atari" in second.stdout and "Targets:" in second.stdout  # the table printed at the end
@@ -78,10 +79,13 @@ def test_every_number_is_positive_and_finite(out):
 
 
 def test_markdown_and_png_per_algorithm(out):
-    for name in ("ppo_cartpole", "ppo_atari"):
+    for name in ("ppo_cartpole", "ppo_atari", "cartpole_scaling"):
         table = (out / f"{name}.md").read_text()
-        assert table.startswith(f"| {name} ") and "`update` ms/call" in table and "env-steps/s" in table
+        assert table.startswith(f"| {name} ") and "env-steps/s" in table
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "`update` ms/call" in (out / "ppo_atari.md").read_text()
+    points = json.loads((out / "results.json").read_text())["scaling"]["cartpole_scaling"]["modes"]["eager"]["points"]
+    assert [p["num_envs"] for p in points] == [4, 32] and all(p["sps"] > 0 for p in points)
     summary = (out / "summary.md").read_text()
     assert "ppo_cartpole" in summary and "ppo_atari" in summary and "Targets:" in summary
 
@@ -96,7 +100,8 @@ def test_readme_section_is_regenerated_between_the_markers_only(out, tmp_path):
     proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
     assert proc.returncode == 0, proc.stderr
     text = readme.read_text()
-    assert text.startswith("# title\n\n<!-- bench:start -->\n### CPU: cpu-test") and text.endswith("<!-- bench:end -->\n\nafter\n")
+    assert text.startswith("# title\n\n<!-- bench:start -->\n### CPU: cpu-test")
+    assert text.endswith("<!-- bench:end -->\n\nafter\n")
     assert "old table" not in text and "| ppo_cartpole" in text and "(results/cpu-test/ppo_cartpole.png)" in text
 
     readme.write_text("no markers\n")

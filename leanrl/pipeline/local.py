@@ -102,7 +102,7 @@ def _collector_main(rank, shared, fn, fn_args, is_process):
     except _Stop:
         pass
     except BaseException:
-        ctx.messages.put(("error", rank, traceback.format_exc()))
+        ctx.messages.put(("error", rank, traceback.format_exc(), None))
 
 
 class LocalTrainer(Trainer):
