@@ -265,8 +265,9 @@ class DQN:
                 self.update_out = self.update(data["obs"], data["action"], data["reward"], data["next_obs"],
                                               data["terminated"])
                 if self.updates == 3:
-                    # Both functions have now been compiled and captured (CUDA graphs capture at the third call):
-                    # start the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+                    # Both functions have now been compiled and captured (CUDA graphs capture within the first
+                    # calls): restart the logger's SPS clock at the end of this iteration, so compile time does not
+                    # dilute SPS.
                     logger.burn_in = logger.iterations + 1
             if crossings(before, self.global_step, args.target_network_frequency):
                 self.target.lerp_(self.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
@@ -310,7 +311,7 @@ class DQN:
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step, self.iteration = state["global_step"], state["iteration"]
         self.envs.load_state_dict(state["envs"])
-        if "state" in state["envs"]:  # an on-device env restores its simulation: continue mid-episode, exactly
+        if getattr(self.envs, "on_device", False):  # its simulation state was restored: continue mid-episode
             self.obs = state["obs"].to(self.device)
         else:  # a host env (gymnasium, ALE) cannot: start fresh episodes
             self.obs = self.envs.reset(seed=self.args.seed + self.global_step)

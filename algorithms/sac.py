@@ -326,8 +326,8 @@ class SAC:
                 for _ in range(args.policy_frequency):  # compensate for the delay, as CleanRL
                     self.actor_out = self.update_actor(data["obs"])
         if self.updates == 3 * args.policy_frequency + 1:
-            # Every function has now been compiled and captured (CUDA graphs capture at the third call): start
-            # the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
+            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
             logger.burn_in = logger.iterations + 1
         if args.eval_every and self.global_step // args.eval_every > (self.global_step - n) // args.eval_every:
             logger.record({"charts/eval_return": evaluate(self.eval_policy, self.eval_envs, args.seed + 10_000)})
@@ -375,7 +375,7 @@ class SAC:
             self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
         self.global_step, self.iteration = state["global_step"], state["iteration"]
         self.envs.load_state_dict(state["envs"])
-        if "state" in state["envs"]:  # an on-device env restores its simulation: continue mid-episode, exactly
+        if getattr(self.envs, "on_device", False):  # its simulation state was restored: continue mid-episode
             self.obs = state["obs"].to(self.device)
         else:  # a host env (gymnasium, ALE) cannot: start fresh episodes
             self.obs = self.envs.reset(seed=self.args.seed + self.global_step)

@@ -218,8 +218,8 @@ class TD3:
             raise ValueError(f"envs has {envs.num_envs} environments, args.num_envs = {args.num_envs}")
         if args.eval_every and eval_envs is None:
             raise ValueError("eval_every > 0 needs an evaluation env (eval_envs)")
-        self.obs_dim, self.action_dim, H = obs_space.shape[0], act_space.shape[0], args.hidden_dim
-        obs_dim = self.obs_dim
+        obs_dim, H = obs_space.shape[0], args.hidden_dim
+        self.obs_dim, self.action_dim = obs_dim, act_space.shape[0]
         self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
         self.high = torch.as_tensor(act_space.high, dtype=torch.float32, device=device)
 
@@ -287,8 +287,8 @@ class TD3:
             if self.iteration % args.policy_frequency == 0:
                 self.actor_out = self.update_actor(data["obs"])
         if self.updates == 3 * args.policy_frequency + 1:
-            # Every function has now been compiled and captured (CUDA graphs capture at the third call): start
-            # the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
+            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
             logger.burn_in = logger.iterations + 1
         if args.eval_every and self.global_step // args.eval_every > (self.global_step - n) // args.eval_every:
             logger.record({"charts/eval_return": evaluate(self.eval_policy, self.eval_envs, args.seed + 10_000)})
@@ -331,7 +331,7 @@ class TD3:
         self.actor_optimizer.load_state_dict(state["actor_optimizer"])
         self.global_step, self.iteration = state["global_step"], state["iteration"]
         self.envs.load_state_dict(state["envs"])
-        if "state" in state["envs"]:  # an on-device env restores its simulation: continue mid-episode, exactly
+        if getattr(self.envs, "on_device", False):  # its simulation state was restored: continue mid-episode
             self.obs = state["obs"].to(self.device)
         else:  # a host env (gymnasium, ALE) cannot: start fresh episodes
             self.obs = self.envs.reset(seed=self.args.seed + self.global_step)

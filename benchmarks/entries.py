@@ -1,9 +1,9 @@
 """What the benchmark measures: one entry per algorithm run, built exactly as its script builds it.
 
 An entry names a script in `scripts/` (its `Args` defaults are the sizes measured), the algorithm class
-(which provides `benchmark_calls()`, `train_iteration(logger)`, `reset(seed)` and `global_step`), the
-`Args` fields the script passes on to `make_env`, and tiny sizes for `--quick`. Adding an algorithm is
-one line here.
+(which provides `benchmark_calls()`, `train_iteration(logger)`, `reset(seed)`, `iteration` and
+`global_step`), how the script builds its envs, the few `Args` the benchmark changes, and tiny sizes for
+`--quick`. Adding an algorithm is one entry here.
 """
 
 import functools
@@ -37,39 +37,43 @@ class Entry:
 
 @dataclass(frozen=True)
 class Scaling:
-    """Env-steps/s against the number of parallel envs, for an on-device env."""
+    """End-to-end env-steps/s against the number of parallel envs, with an entry's script."""
     entry: str
     sizes: tuple
     """num_envs on CPU"""
     sizes_gpu: tuple
     sizes_quick: tuple
     overrides: dict = field(default_factory=dict)
-    """`Args` overrides: the hook for the all-on-device iteration once PPO has it"""
+    """`Args` overrides; where a variant of the iteration (e.g. one graph per iteration) is switched on"""
 
 
+# Cheapest first: a run cut short by a time limit keeps the most entries (results are saved after each).
 # Off-policy entries start learning as soon as a batch is in the buffer (CleanRL waits 5k to 80k random
 # steps), so that the iterations measured after burn-in are learning iterations.
 ENTRIES = {
-    "ppo_atari": Entry("ppo_atari.py", "algorithms.ppo:PPO", env_args=("sticky_actions",),
-                       quick=dict(num_envs=2, num_steps=16)),
-    "ppo_continuous": Entry("ppo_continuous.py", "algorithms.ppo:PPO", env_args=("gamma",),
-                            quick=dict(num_steps=64, num_minibatches=2, update_epochs=2)),
     "ppo_cartpole": Entry("ppo_cartpole.py", "algorithms.ppo:PPO", quick=dict(num_steps=16, update_epochs=2)),
+    "dqn_cartpole": Entry("dqn_cartpole.py", "algorithms.dqn:DQN", overrides=dict(learning_starts=128),
+                          quick=dict(batch_size=32, learning_starts=32)),
     "td3_continuous": Entry("td3_continuous.py", "algorithms.td3:TD3", env_fn="make",
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
     "sac_continuous": Entry("sac_continuous.py", "algorithms.sac:SAC", env_fn="make",
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
-    "dqn_cartpole": Entry("dqn_cartpole.py", "algorithms.dqn:DQN", overrides=dict(learning_starts=128),
-                          quick=dict(batch_size=32, learning_starts=32)),
+    "ppo_atari": Entry("ppo_atari.py", "algorithms.ppo:PPO", env_args=("sticky_actions",),
+                       quick=dict(num_envs=2, num_steps=16)),
     # 1e6 stacked Atari frames are 35 GB: a smaller buffer changes the memory, not the time of a step.
     "dqn_atari": Entry("dqn_atari.py", "algorithms.dqn:DQN", env_args=("sticky_actions",),
                        overrides=dict(learning_starts=32, buffer_size=50_000), quick=dict(buffer_size=1_000)),
+    # Its compile is the longest: `gae` unrolls a 2048-step loop.
+    "ppo_continuous": Entry("ppo_continuous.py", "algorithms.ppo:PPO", env_args=("gamma",),
+                            quick=dict(num_steps=64, num_minibatches=2, update_epochs=2)),
 }
 
 SCALING = {
-    # total_timesteps: at least one batch at every size (it only sets the learning-rate annealing).
+    # The step-by-step PPO iteration for now. total_timesteps: at least one batch at every size (it only
+    # sets the learning-rate annealing).
     "cartpole_scaling": Scaling("ppo_cartpole", sizes=(16, 256, 4096), sizes_gpu=(256, 4096, 32768, 262144),
-                                sizes_quick=(4, 32), overrides=dict(env_id="torch/CartPole-v1", total_timesteps=10**10)),
+                                sizes_quick=(4, 32),
+                                overrides=dict(env_id="torch/CartPole-v1", total_timesteps=10**10)),
 }
 
 

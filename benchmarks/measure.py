@@ -1,5 +1,7 @@
 """The measurements: time per call, GPU busy fraction, end-to-end SPS, peak memory, the machine."""
 
+import ctypes
+import gc
 import math
 import os
 import platform
@@ -68,19 +70,27 @@ def gpu_busy(fn, args, device, calls: int) -> float | None:
     return busy / wall_us if busy > 0 else None
 
 
-def memory_mark(device) -> float:
-    """Start a peak-memory window; returns what is resident now (MiB). On CPU the kernel's RSS
-    high-water mark is reset (/proc/self/clear_refs), so the peak is this window's, not the process's."""
+def memory_mark(device) -> float | None:
+    """Start a peak-memory window; returns what is resident now (MiB), None where it cannot be measured.
+    On CPU, memory freed by what ran before is first handed back to the OS (so it is not lent to this
+    window), then the kernel's RSS high-water mark is reset: the peak is this window's, not the process's."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device) / 2**20
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc
+        with open("/proc/self/clear_refs", "w") as f:  # Linux
+            f.write("5")
+    except (OSError, AttributeError):
+        return None
     return _proc_status_mb("VmRSS")
 
 
-def memory_growth_mb(device, mark: float) -> float:
+def memory_growth_mb(device, mark: float | None) -> float | None:
     """Peak memory since `memory_mark` over what was resident then: GPU allocated, or CPU RSS."""
+    if mark is None:
+        return None
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20 - mark
     return _proc_status_mb("VmHWM") - mark

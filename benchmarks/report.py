@@ -71,17 +71,25 @@ def algo_table(name: str, algo: dict) -> str:
             lambda e, c: e["median_ms"] / c["median_ms"])
     row("end-to-end env-steps/s", lambda r: r["sps"], ratio=lambda e, v: v / e)
     row("compile s (first call; inductor cache)",
-        lambda r: {fn: (c["compile_s"], c["inductor_cache"]) for fn, c in r["calls"].items() if "compile_s" in c} or None,
-        lambda d: ", ".join(f"{fn} {fmt(t)} ({cache})" for fn, (t, cache) in d.items()))
+        lambda r: {fn: (c["compile_s"], c["inductor_cache"]) for fn, c in r["calls"].items() if "compile_s" in c}
+        or None, lambda d: ", ".join(f"{fn} {fmt(t)} ({cache})" for fn, (t, cache) in d.items()))
     row("capture s (capture call)", per_fn("capture_s"), listed)
     row("GPU busy (kernel time / wall)", per_fn("gpu_busy"), lambda d: listed(d, lambda v: f"{v:.0%}"))
     memory = "GPU allocated" if algo["device"].startswith("cuda") else "RSS"
-    row(f"peak {memory} growth MB (build + first calls + burn-in)", lambda r: r["memory_growth_mb"])
+    row(f"peak {memory} growth MB (build + first calls + burn-in)", lambda r: r.get("memory_growth_mb"))
     row("burn-in s (first training iterations)", lambda r: r["burn_in_s"])
 
     header = f"| {name} ({algo['env_id']}, {algo['num_envs']} envs) | " + " | ".join(modes) + " |"
-    notes = sorted({f"- {m}: {r['reason']}" for m, r in algo["modes"].items() if r["status"] != "ok"})
-    return "\n".join([header, "|" + "---|" * (len(modes) + 1), *rows, "", *notes])
+    return "\n".join([header, "|" + "---|" * (len(modes) + 1), *rows, "", *notes(algo["modes"])])
+
+
+def notes(modes: dict) -> list:
+    """One line per reason a mode has no (or partial) figures, naming the modes it applies to."""
+    by_reason = {}
+    for m, r in modes.items():
+        if "reason" in r:
+            by_reason.setdefault(r["reason"], []).append(m)
+    return [f"- {', '.join(ms)}: {reason}" for reason, ms in by_reason.items()]
 
 
 def scaling_table(name: str, scaling: dict) -> str:
@@ -94,8 +102,7 @@ def scaling_table(name: str, scaling: dict) -> str:
         cells = [mode_cell(scaling["modes"][m]) or (f"{fmt(ok[m][n]['sps'])} ({fmt(ok[m][n]['policy_ms'])})"
                                                     if n in ok[m] else NOT_APPLICABLE) for m in modes]
         lines.append(f"| {n} envs | " + " | ".join(cells) + " |")
-    notes = sorted({f"- {m}: {r['reason']}" for m, r in scaling["modes"].items() if "reason" in r})
-    return "\n".join([*lines, "", *notes])
+    return "\n".join([*lines, "", *notes(scaling["modes"])])
 
 
 def targets_markdown(targets: list) -> str:
@@ -117,7 +124,7 @@ def summary_markdown(results: dict, image_dir: str = ".") -> str:
     """Everything a reader needs: the machine, a table per entry with its chart, scaling, targets."""
     s = results["settings"]
     parts = [f"**{results['machine']['slug']}**: {machine_line(results['machine'])}. Measured {results['created']}"
-             f"{' with --quick sizes' if s['quick'] else ''}, {s['threads']} torch threads, load average "
+             f"{' with --quick sizes' if s['quick'] else ''}; torch threads: {s['threads']}, load average "
              f"{s['load_average']}, inductor cache {s['inductor_cache']}. Ratios are against eager in the "
              "same process, whose timed samples alternate between modes."]
     for name, algo in results["algos"].items():
@@ -154,12 +161,15 @@ def algo_chart(name: str, algo: dict, machine: str, path: str):
         ax.text(x, ax.get_ylim()[1] * 0.03, text, rotation=90, ha="center", va="bottom", fontsize=7, color="gray")
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_xticks(range(len(fns)), fns)
+    left.set_xlim(-0.5, len(fns) - 0.5)
     left.set_ylabel("speedup over eager (time per call)")
-    left.legend([Patch(color=f"C{i}") for i in range(len(modes))], modes, fontsize=8)
     right.set_xticks(range(len(modes)), modes, fontsize=8)
+    right.set_xlim(-0.5, len(modes) - 0.5)
     right.set_ylabel("env-steps/s, end to end")
     fig.suptitle(f"{name} ({algo['env_id']}) on {machine}")
-    fig.tight_layout()
+    fig.legend([Patch(color=f"C{i}") for i in range(len(modes))], modes, loc="upper center", ncol=len(modes),
+               bbox_to_anchor=(0.5, 0.93), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

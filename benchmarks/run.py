@@ -23,10 +23,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import targets  # noqa: E402
-from entries import ENTRIES, MODES, SCALING, make_args, missing  # noqa: E402
 import torch  # noqa: E402
 
+import targets  # noqa: E402
+from entries import ENTRIES, MODES, SCALING, make_args, missing  # noqa: E402
 from leanrl import resolve_device  # noqa: E402
 from measure import machine_info  # noqa: E402
 from report import summary_markdown, write_all  # noqa: E402
@@ -56,6 +56,7 @@ def spawn(name: str, modes: list, device, a, cache_dir: str | None) -> dict:
 
 
 def measure_entry(name: str, modes: list, device, a, cache_dir: str | None, commit: str | None) -> dict:
+    """The figures of every mode of entry `name`, and what they were measured with."""
     t = time.perf_counter()
     runnable = [m for m in modes if device.type == "cuda" or not MODES[m][1]]
     measured = {m: NO_CUDA for m in modes if m not in runnable}
@@ -84,6 +85,7 @@ def bad_numbers(obj, path="") -> list:
 
 
 def previous(out: str, machine: dict, quick: bool) -> dict:
+    """The entries an earlier run of the same kind on this machine saved in `out`."""
     try:
         with open(os.path.join(out, "results.json")) as f:
             old = json.load(f)
@@ -131,6 +133,19 @@ def main():
     if load > os.cpu_count() - 0.5 and not a.threads and device.type == "cpu":
         print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: timings with several torch threads "
               "will be noisy; consider --threads 1", file=sys.stderr)
+    def save():
+        """Write everything measured so far: after every entry, so a run cut short keeps what it measured."""
+        settings = dict(quick=a.quick, repeats=a.repeats, device=str(device),
+                        threads=a.threads or torch.get_num_threads(),
+                        inductor_cache="empty at start (--cold-compile)" if a.cold_compile else "torch's default",
+                        load_average=f"{load:.2f} at start, {os.getloadavg()[0]:.2f} at end")  # text: 0.00 is real
+        full = dict(machine=machine, created=time.strftime("%Y-%m-%d %H:%M"), settings=settings, **results)
+        full["targets"] = targets.check(full)
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump(full, f, indent=1)
+        write_all(full, out)
+        return full
+
     # --cold-compile: an empty inductor cache for the run, so every first compile is cold, as on a new
     # machine. Otherwise torch's own cache, and each compile time says whether it came from it.
     with tempfile.TemporaryDirectory(prefix="leanrl-inductor-") as fresh:
@@ -138,23 +153,15 @@ def main():
             group = "scaling" if name in SCALING else "algos"
             results[group][name] = measure_entry(name, modes, device, a, fresh if a.cold_compile else None,
                                                  machine["commit"])
-    settings = dict(quick=a.quick, repeats=a.repeats, device=str(device),
-                    threads=a.threads or torch.get_num_threads(),
-                    inductor_cache="empty at start (--cold-compile)" if a.cold_compile else "torch's default",
-                    load_average=f"{load:.2f} at start, {os.getloadavg()[0]:.2f} at end")  # text: 0.00 is real
-    results = dict(machine=machine, created=time.strftime("%Y-%m-%d %H:%M"), settings=settings, **results)
-    results["targets"] = targets.check(results)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    write_all(results, out)
+            final = save()
 
-    print(summary_markdown(results))
+    print(summary_markdown(final))
     if kept:
         print(f"kept from an earlier run into {out}: {', '.join(kept)}")
     print(f"{time.perf_counter() - t0:.0f} s; results in {out}")
-    errors = [f"{n} {m}: {r['reason']}" for group in ("algos", "scaling") for n, e in results[group].items()
+    errors = [f"{n} {m}: {r['reason']}" for group in ("algos", "scaling") for n, e in final[group].items()
               for m, r in e["modes"].items() if r["status"] == "error"]
-    bad = bad_numbers(results)
+    bad = bad_numbers(final)
     for problem in errors + [f"not positive and finite: {b}" for b in bad]:
         print(f"ERROR {problem}", file=sys.stderr)
     sys.exit(1 if errors or bad else 0)

@@ -70,7 +70,8 @@ class Run:
             self.iteration()
         sync(device)
         self.result["burn_in_s"] = time.perf_counter() - t
-        self.result["memory_growth_mb"] = memory_growth_mb(device, mark)
+        if (growth := memory_growth_mb(device, mark)) is not None:
+            self.result["memory_growth_mb"] = growth
         self.seconds = self.steps = self.iterations = 0
 
     def iteration(self):

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import torch._inductor.config  # noqa: F401  (monkeypatched: fallback_random)
+import torch._inductor.config
 from tensordict import TensorDict, from_module
 from torch.distributions import Normal
 
@@ -62,6 +62,14 @@ class NullLogger:
 
     def record_episodes(self, done, ret, length):
         pass
+
+
+@pytest.fixture
+def fallback_random():
+    """Compiled code draws from eager's random stream. (Not monkeypatch: its undo deletes the config entry, and
+    every later compile in the process then fails.)"""
+    with torch._inductor.config.patch(fallback_random=True):
+        yield
 
 
 def small(module, **kw):
@@ -201,8 +209,7 @@ def test_linear_schedule_start_end_fraction():
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_dqn_policy_decays_epsilon_in_graph(compile, monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+def test_dqn_policy_decays_epsilon_in_graph(compile, fallback_random):
     torch.manual_seed(0)
     # total 1000 steps, fraction 0.5: epsilon goes from 1 to 0.05 over 500 steps
     args = small(dqn, total_timesteps=1000, exploration_fraction=0.5, start_e=1.0, end_e=0.05, compile=compile)
@@ -316,8 +323,7 @@ def _assert_same_params(a, b, names):
 
 
 @pytest.mark.parametrize("module", [td3, sac])
-def test_compiled_updates_match_eager_after_k_steps(module, monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # the same random stream as eager
+def test_compiled_updates_match_eager_after_k_steps(module, fallback_random):
     eager, compiled = _twins(module, dict(batch_size=16), {})
     torch.manual_seed(1)
     batches = [_batch(B=16) for _ in range(3)]
@@ -460,47 +466,61 @@ def test_resume_without_the_buffer_says_so_and_refills_it(tmp_path, capfd):
 
 
 # ---------------------------------------------------------------------------------------------- learning
-class EpisodeRecorder:
-    """Records the return of every finished episode (a test-side host read)."""
+class Reached(Exception):
+    pass
 
-    def __init__(self, env):
-        self.env, self.returns = env, []
+
+class EpisodeRecorder:
+    """Records the return of every finished episode (a test-side host read) and stops the run, by raising
+    `Reached`, as soon as the mean of the last 10 reaches `threshold`."""
+
+    def __init__(self, env, threshold):
+        self.env, self.threshold, self.returns, self.steps = env, threshold, [], 0
 
     def __getattr__(self, name):
         return getattr(self.env, name)
 
     def step(self, action):
         out = self.env.step(action)
+        self.steps += self.env.num_envs
         ended = out["episode_length"] > 0
         self.returns += out["episode_return"][ended].tolist()
+        if len(self.returns) >= 10 and np.mean(self.returns[-10:]) >= self.threshold:
+            raise Reached
         return out
 
 
-def learn(module, tmp_path, env_id, **kw):
+def reaches(module, tmp_path, env_id, threshold, **kw):
+    """Train until the mean return of the last 10 episodes reaches `threshold` (True), or for all of
+    `total_timesteps` (False, with the returns in the message)."""
     args = module.Args(env_id=env_id, seed=1, run_dir=str(tmp_path), checkpoint_every=0, progress=False, **kw)
-    envs = EpisodeRecorder(make_env(env_id, args.num_envs, seed=args.seed))
-    module.train(args, envs, torch.device("cpu"))
-    return envs.returns
+    envs = EpisodeRecorder(make_env(env_id, args.num_envs, seed=args.seed), threshold)
+    try:
+        module.train(args, envs, torch.device("cpu"))
+    except Reached:
+        print(f"{module.__name__}: mean of the last 10 episodes {np.mean(envs.returns[-10:]):.1f} after {envs.steps} steps")
+        return True
+    pytest.fail(f"after {envs.steps} steps, last 10 episodes: {envs.returns[-10:]}")
 
 
-# Pendulum settings: CleanRL's algorithms and defaults, except smaller networks (64 units), batch 128 and 1000
-# random steps: the learning curve is the same as with CleanRL's sizes, at a fraction of the CPU time.
-PENDULUM_LEARNING = dict(num_envs=1, total_timesteps=15_000, learning_starts=1000, hidden_dim=64, batch_size=128,
+# Pendulum: CleanRL's algorithms and defaults, except smaller networks (64 units instead of 256), batch 128 and
+# 1000 random steps instead of 5000-25000 (both solve Pendulum either way; this costs a fraction of the CPU time).
+PENDULUM_LEARNING = dict(num_envs=1, total_timesteps=20_000, learning_starts=1000, hidden_dim=64, batch_size=128,
                          log_every=1000)
 
 
-def test_td3_learns_pendulum(tmp_path):
-    returns = learn(td3, tmp_path, "torch/Pendulum-v1", **PENDULUM_LEARNING)
-    assert np.mean(returns[-10:]) >= -250, returns[-10:]
+def test_td3_learns_pendulum_within_20k_steps(tmp_path):
+    assert reaches(td3, tmp_path, "torch/Pendulum-v1", -250, **PENDULUM_LEARNING)
 
 
-def test_sac_learns_pendulum(tmp_path):
-    returns = learn(sac, tmp_path, "torch/Pendulum-v1", **PENDULUM_LEARNING)
-    assert np.mean(returns[-10:]) >= -250, returns[-10:]
+def test_sac_learns_pendulum_within_20k_steps(tmp_path):
+    assert reaches(sac, tmp_path, "torch/Pendulum-v1", -250, **PENDULUM_LEARNING)
 
 
 def test_dqn_learns_cartpole(tmp_path):
-    returns = learn(dqn, tmp_path, "torch/CartPole-v1", num_envs=4, total_timesteps=50_000, learning_rate=1e-3,
-                    buffer_size=50_000, batch_size=64, learning_starts=1000, train_frequency=2,
-                    target_network_frequency=500, exploration_fraction=0.2, end_e=0.04, log_every=250)
-    assert np.mean(returns[-10:]) >= 400, returns[-10:]
+    # rl-baselines3-zoo's tuned CartPole DQN (lr 2.3e-3, batch 64, a hard target update every 256 steps, one update
+    # per 2 steps, exploration over 16% of the run down to 0.04) on 4 envs; CleanRL's defaults need ~10x the steps.
+    # Seeds 1, 2, 3 reach 400 after 46k, 38k and 46k steps.
+    assert reaches(dqn, tmp_path, "torch/CartPole-v1", 400, num_envs=4, total_timesteps=60_000, learning_rate=2.3e-3,
+                   buffer_size=50_000, batch_size=64, learning_starts=1000, train_frequency=2,
+                   target_network_frequency=256, exploration_fraction=0.16, end_e=0.04, log_every=250)

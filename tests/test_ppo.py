@@ -3,6 +3,7 @@
 import gymnasium as gym
 import pytest
 import torch
+import torch._inductor.config
 from torch.distributions import Categorical, Normal
 
 import leanrl
@@ -122,8 +123,8 @@ def test_compiled_update_matches_eager_after_k_steps(continuous):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_compiled_policy_matches_eager(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # same random stream as eager
+@torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
+def test_compiled_policy_matches_eager():
     agent = ppo.make_agent(BOX4, gym.spaces.Discrete(3))
     eager, compiled = ppo.make_policy(agent), leanrl.accelerate(ppo.make_policy(agent), compile=True)
     obs = torch.randn(32, 4)
@@ -195,10 +196,11 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
 
 
-def test_whole_iteration_graph_matches_step_by_step_eager(tmp_path, monkeypatch):
+@torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
+def test_whole_iteration_graph_matches_step_by_step_eager(tmp_path):
     """--graph-iteration (rollout on the on-device env, GAE and every epoch in one graph, phases compiled)
     against plain eager, from the same seed. On CPU the graph falls back, the compiled phases remain."""
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)  # compiled code draws eager's numbers
+    torch._dynamo.reset()  # no compiled code cached by earlier tests (under other settings) may be reused
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     agents = []
     for mode in (dict(), dict(compile=True, cudagraphs=True, graph_iteration=True)):
