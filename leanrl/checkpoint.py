@@ -40,8 +40,9 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     return state
 
 
-def raise_on_sigterm() -> None:
-    """Turn SIGTERM into KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C."""
+def raise_on_sigterm():
+    """Turn SIGTERM into KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C.
+    Returns the previous handler, for the caller to restore."""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, handler)
+    return signal.signal(signal.SIGTERM, handler)

@@ -2,6 +2,7 @@
 
 import os
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -99,7 +100,7 @@ def run(algo, args: RunArgs):
     logger = Logger(run_dir, config_dict(args), args.total_timesteps, track=args.track, wandb_mode=args.wandb_mode,
                     wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
                     run_name=os.path.basename(run_dir), start_step=algo.global_step, progress=args.progress)
-    raise_on_sigterm()
+    previous_sigterm = raise_on_sigterm()
     try:
         while algo.iteration < algo.num_iterations:
             algo.train_iteration(logger)
@@ -114,6 +115,7 @@ def run(algo, args: RunArgs):
         raise
     finally:
         logger.close()
+        signal.signal(signal.SIGTERM, previous_sigterm)
     save_checkpoint(ckpt_path, algo.state_dict())
     algo.logged = logger.last
     return algo
