@@ -6,7 +6,6 @@ Depends only on leanrl, torch and tensordict; environments are passed in (see `e
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +66,9 @@ def check_args(args: Args) -> tuple[int, int, int]:
     num_iterations = args.total_timesteps // batch_size
     if num_iterations < 1:
         raise ValueError(f"total_timesteps = {args.total_timesteps} is less than one batch ({batch_size} steps)")
+    if args.async_:
+        leanrl.pipeline.check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic,
+                                       args.publish_every)
     return batch_size, batch_size // args.num_minibatches, num_iterations
 
 
@@ -297,12 +299,8 @@ def make_async_update(agent, optimizer, args: Args):
 
     return update
 
-def make_optimizer(params, lr, args, device):
-    """Adam with a tensor learning rate, annealed in place so a captured graph sees it. Eager runs the
-    fused kernel (about 3x the default on CPU); compile generates its own; graphs need `capturable`."""
-    return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), eps=1e-5,
-                            capturable=args.cudagraphs and not args.compile, fused=not args.compile)
 
+MAX_COMPILED_GAE_STEPS = 256  # longer rollouts run GAE uncompiled (still inside the CUDA graph with --cudagraphs)
 
 UPDATE_METRICS = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/old_approx_kl",
                   "losses/approx_kl", "losses/clipfrac", "losses/grad_norm", "losses/explained_variance")
@@ -320,7 +318,9 @@ class PPO:
         self.agent_inference = make_agent(envs.single_observation_space, envs.single_action_space, "meta")
         from_module(self.agent).data.to_module(self.agent_inference)
 
-        self.optimizer = make_optimizer(self.agent.parameters(), args.learning_rate, args, device)
+        # eps as CleanRL; a tensor lr, annealed in place (see leanrl.make_adam)
+        self.optimizer = leanrl.make_adam(self.agent.parameters(), args.learning_rate, eps=1e-5, compile=args.compile,
+                                          cudagraphs=args.cudagraphs, device=device)
 
         on_device = getattr(envs, "on_device", False)
         if args.graph_iteration and not on_device:
@@ -329,7 +329,10 @@ class PPO:
         wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs and not args.graph_iteration, device=device)
         self.policy = leanrl.accelerate(make_policy(self.agent_inference), name="policy", **wrap)
         self.get_value = leanrl.accelerate(self.agent_inference.get_value, name="get_value", **wrap)
-        self.gae = leanrl.accelerate(gae, name="gae", **wrap)
+        # torch.compile unrolls the GAE loop: fine at Atari's 128 steps, but a 2048-step rollout (MuJoCo) takes
+        # about 10 minutes and 800 MB to compile on CPU, for a loop that costs milliseconds eager.
+        compile_gae = args.compile and args.num_steps <= MAX_COMPILED_GAE_STEPS
+        self.gae = leanrl.accelerate(gae, name="gae", **{**wrap, "compile": compile_gae})
         self.update = leanrl.accelerate(make_update(self.agent, self.optimizer, args), name="update", **wrap)
         self.env_step = leanrl.accelerate(envs.step, name="env_step", **wrap) if on_device else envs.step
         self.iterate = self._iterate
@@ -430,11 +433,8 @@ class PPO:
         self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer.param_groups[0]["lr"] = lr.copy_(self.optimizer.param_groups[0]["lr"])
         self.global_step, self.iteration = state["global_step"], state["iteration"]
-        self.envs.load_state_dict(state["envs"])
-        if getattr(self.envs, "on_device", False):  # the physics state itself was restored
-            self.next_obs = state["next_obs"].to(self.device)
-        else:  # host simulators cannot be restored: fresh episodes, with the restored normalization statistics
-            self.next_obs = self.envs.reset(seed=self.args.seed + self.iteration)
+        self.next_obs = leanrl.restore_envs(self.envs, state["envs"], state["next_obs"],
+                                            seed=self.args.seed + self.iteration)
 
 
 def train(args: Args, envs, device=None) -> PPO:
@@ -501,14 +501,15 @@ class AsyncPPO(PPO):
         self.trainer = leanrl.pipeline.start(
             args.transport, args.num_collectors, ppo_collector, (args, self.make_envs, collector_device),
             async_batch_template(self.storage), from_module(self.agent).data, max_lag=args.max_lag,
-            deterministic=args.deterministic)
+            deterministic=args.deterministic, publish_every=args.publish_every)
 
     def train_iteration(self, logger):
         args, s = self.args, self.storage
         if self.trainer is None:
             self.start()
         if args.anneal_lr:
-            self.optimizer.param_groups[0]["lr"].fill_((1.0 - self.iteration / self.num_iterations) * args.learning_rate)
+            frac = 1.0 - self.iteration / self.num_iterations
+            self.optimizer.param_groups[0]["lr"].fill_(frac * args.learning_rate)
         batch = self.trainer.next_batch()
         s.update_(batch.select(*s.keys()))
         advantages, returns = self.gae(s["rewards"], s["values"], batch["next_values"].to(self.device),
@@ -557,7 +558,7 @@ def train_async(args: Args, make_envs, device=None) -> AsyncPPO | None:
         if is_collector_rank(args.num_collectors):
             leanrl.pipeline.start("distributed", args.num_collectors, ppo_collector,
                                   (args, make_envs, torch.device("cpu")), None, None, max_lag=args.max_lag,
-                                  deterministic=args.deterministic)
+                                  deterministic=args.deterministic, publish_every=args.publish_every)
             return None
     algo = AsyncPPO(args, make_envs, device)
     try:

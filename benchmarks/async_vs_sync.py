@@ -10,7 +10,7 @@ import functools
 import json
 import os
 import random
-import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +24,9 @@ import torch  # noqa: E402
 
 from algorithms import ppo  # noqa: E402
 from envs import make_env  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import machine_info  # noqa: E402
 
 
 class SlowEnv:
@@ -58,7 +61,8 @@ class Bench:
     sigma: float = 1.0
     """log-std of the step time (1.0: the slowest 1% of steps take 10x the median)"""
     update_epochs: int = 10
-    machine: str = socket.gethostname()
+    machine: str | None = None
+    """results folder name (default: the machine slug benchmarks/run.py uses, e.g. cpu-2core-intel-xeon-2-50ghz)"""
     out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -68,7 +72,7 @@ def rows(run_dir):
 
 
 def main(b: Bench):
-    out = os.path.join(b.out_dir, b.machine)
+    out = os.path.join(b.out_dir, b.machine or machine_info(torch.device("cpu"))["slug"])
     os.makedirs(out, exist_ok=True)
     common = dict(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=32, num_minibatches=1,
                   update_epochs=b.update_epochs, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0,

@@ -31,6 +31,14 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     return ShapeGuard(fn, name)
 
 
+def make_adam(params, lr: float, *, compile: bool, cudagraphs: bool, device, **kwargs) -> torch.optim.Adam:
+    """Adam with a tensor learning rate, so an annealed or restored rate reaches a captured graph (it is changed
+    in place). Eager runs the fused kernel (about 3x the default on CPU); compile generates its own; graphs
+    without compile need `capturable`."""
+    return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), capturable=cudagraphs and not compile,
+                            fused=not compile, **kwargs)
+
+
 def _say_no_cuda_once():
     global _warned_no_cuda
     if not _warned_no_cuda:

@@ -66,6 +66,16 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
     torch.backends.cudnn.deterministic = deterministic
 
 
+def restore_envs(envs, env_state, saved_obs, seed: int):
+    """Restore `envs` from a checkpoint and return the observation to continue from: the saved one for an
+    on-device env (its simulation state was restored, so episodes continue where they were), fresh episodes for
+    a host simulator (gymnasium, ALE), which cannot be restored beyond its normalization statistics."""
+    envs.load_state_dict(env_state)
+    if getattr(envs, "on_device", False):
+        return saved_obs.to(envs.device)
+    return envs.reset(seed=seed)
+
+
 def make_run_dir(args: RunArgs, env_id: str) -> str:
     """`runs/<env>__<exp>__<seed>__<time>`, or the directory of the checkpoint being resumed."""
     if args.resume:

@@ -31,10 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_toy(transport, num_collectors, max_lag, num_batches, delay_seed, max_delay, trainer_delay=0.0,
-            deterministic=False):
+            deterministic=False, publish_every=1):
     weights = params()
     with pipeline.start(transport, num_collectors, toy_collector, (delay_seed, max_delay), template(), weights,
-                        max_lag=max_lag, deterministic=deterministic, timeout=60) as trainer:
+                        max_lag=max_lag, deterministic=deterministic, timeout=60,
+                        publish_every=publish_every) as trainer:
         sleeps = __import__("random").Random(delay_seed)
         for _ in range(num_batches):
             batch = trainer.next_batch()
@@ -46,16 +47,20 @@ def run_toy(transport, num_collectors, max_lag, num_batches, delay_seed, max_del
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_collectors=st.integers(1, 3), max_lag=st.integers(0, 3), delay_seed=st.integers(0, 10**6),
-       max_delay=st.sampled_from([0.0, 1e-4, 1e-3]), trainer_delay=st.sampled_from([0.0, 1e-3, 4e-3]))
+       max_delay=st.sampled_from([0.0, 1e-4, 1e-3]), trainer_delay=st.sampled_from([0.0, 1e-3, 4e-3]),
+       publish_every=st.integers(1, 4))
 def test_lag_bounded_and_every_batch_consumed_once_in_order(num_collectors, max_lag, delay_seed, max_delay,
-                                                            trainer_delay):
+                                                            trainer_delay, publish_every):
     n = 12
-    _, trainer = run_toy("threads", num_collectors, max_lag, n, delay_seed, max_delay, trainer_delay)
+    publish_every = min(publish_every, max_lag + 1)
+    _, trainer = run_toy("threads", num_collectors, max_lag, n, delay_seed, max_delay, trainer_delay,
+                         publish_every=publish_every)
     tickets, ranks, seqs, lags = zip(*trainer.consumed)
     assert list(tickets) == list(range(n))  # each ticket once, in order
     for r in set(ranks):  # each collector's batches: 0, 1, 2, ... with no gap or repeat
         assert [s for rr, s in zip(ranks, seqs) if rr == r] == list(range(ranks.count(r)))
     assert max(lags) <= max_lag and int(trainer.stats.hist.sum()) == n
+    assert all((g - lag) % publish_every == 0 for g, lag in zip(tickets, lags))  # only published versions act
     assert trainer.stats.summary()["async/lag_max"] <= max_lag
 
 
@@ -117,9 +122,12 @@ def test_a_raising_collector_reaches_the_trainer_with_its_traceback():
     (dict(num_collectors=0), "--num-collectors 0"),
     (dict(deterministic=True), "--deterministic needs --transport processes or distributed"),
     (dict(transport="sockets"), "--transport 'sockets'"),
+    (dict(publish_every=0), "--publish-every 0"),
+    (dict(publish_every=3), "--publish-every 3: must be between 1 and max_lag + 1 = 2"),
+    (dict(transport="processes", deterministic=True, publish_every=2), "--deterministic needs --publish-every 1"),
 ])
 def test_bad_settings_are_clear_errors(kw, message):
-    settings_ = dict(transport="threads", num_collectors=1, max_lag=1, deterministic=False) | kw
+    settings_ = dict(transport="threads", num_collectors=1, max_lag=1, deterministic=False, publish_every=1) | kw
     with pytest.raises(ValueError, match=re.escape(message)):
         pipeline.check_settings(**settings_)
 
@@ -238,8 +246,12 @@ def descendants(pid):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the collector processes")
-def test_sigterm_stops_every_role_with_a_final_checkpoint(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport", "processes",
+@pytest.mark.parametrize("transport", ["processes", "distributed"])
+def test_sigterm_stops_every_role_with_a_final_checkpoint(transport, tmp_path):
+    # Under torchrun the signal goes to torchrun, which passes it to every rank.
+    launcher = [sys.executable] if transport == "processes" else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port())]
+    cmd = [*launcher, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport", transport,
            "--num-collectors", "2", "--total-timesteps", "10000000", "--run-dir", str(tmp_path), "--no-progress",
            "--log-every", "1", "--checkpoint-every", "0", "--update-epochs", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -248,10 +260,10 @@ def test_sigterm_stops_every_role_with_a_final_checkpoint(tmp_path):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
         time.sleep(0.5)
     children = descendants(proc.pid)
-    assert len(children) >= 2  # the collectors (and multiprocessing's resource tracker)
+    assert len(children) >= 2  # the collectors (and multiprocessing's resource tracker), or the three ranks
     proc.terminate()
-    _, err = proc.communicate(timeout=60)
-    assert "checkpoint saved" in err or "checkpoint saved" in _, err[-3000:]
+    out, err = proc.communicate(timeout=60)
+    assert "checkpoint saved" in err or "checkpoint saved" in out, err[-3000:]
     assert next(tmp_path.glob("*/checkpoint.pt")).is_file()
     deadline = time.time() + 15  # the resource tracker may take a moment to clean up after its parent
     while [p for p in children if os.path.exists(f"/proc/{p}")] and time.time() < deadline:

@@ -103,7 +103,7 @@ def _update_fns(compile, continuous):
     act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
     args = ppo.Args(compile=compile)
     agent = ppo.make_agent(BOX4, act_space)
-    optimizer = ppo.make_optimizer(agent.parameters(), 1e-3, args, "cpu")
+    optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=compile, cudagraphs=False, device="cpu")
     return agent, leanrl.accelerate(ppo.make_update(agent, optimizer, args), compile=compile)
 
 

@@ -26,6 +26,9 @@ class AsyncArgs:
     """number of collector roles (with --transport distributed: the torchrun world size minus one)"""
     max_lag: int = 2
     """hard bound on trainer version minus behaviour version of any consumed transition"""
+    publish_every: int = 1
+    """send the weights to the collectors every this many trainer versions (one version per consumed batch);
+    at most max_lag + 1, so that the collectors can always be admitted"""
     correction: Literal["decoupled", "truncated_is", "none"] = "decoupled"
     """stale-data correction: decoupled PPO (AReaL), truncated IS (PipelineRL), or none (naive PPO)"""
     is_clip: float = 2.0
@@ -36,13 +39,19 @@ class AsyncArgs:
     """threads in one process, processes sharing memory, or torch.distributed ranks launched by torchrun"""
 
 
-def check_settings(transport, num_collectors, max_lag, deterministic):
+def check_settings(transport, num_collectors, max_lag, deterministic, publish_every=1):
     if transport not in TRANSPORTS:
         raise ValueError(f"--transport {transport!r}: choose one of {TRANSPORTS}")
     if num_collectors < 1:
         raise ValueError(f"--num-collectors {num_collectors}: needs at least one collector")
     if max_lag < 0:
         raise ValueError(f"--max-lag {max_lag}: the lag bound cannot be negative")
+    if not 1 <= publish_every <= max_lag + 1:
+        # The trainer at version g waits for ticket g, which is admitted once version g - max_lag is published.
+        raise ValueError(f"--publish-every {publish_every}: must be between 1 and max_lag + 1 = {max_lag + 1}, or "
+                         "the trainer would wait for a batch that no collector may start")
+    if deterministic and publish_every != 1:
+        raise ValueError("--deterministic needs --publish-every 1: batch i is produced by version i - max_lag exactly")
     if deterministic and transport == "threads":
         raise ValueError("--deterministic needs --transport processes or distributed: collector threads share "
                          "torch's global random generator, so their draws interleave differently run to run")
@@ -80,9 +89,9 @@ class Trainer:
     then `trainer.publish(params)`. The batch is only valid until that publish. Subclasses provide
     `_poll(timeout)` (a message or None) and `_slot(rank, seq)`."""
 
-    def __init__(self, ring, slots, stats, params, max_lag, timeout):
+    def __init__(self, ring, slots, stats, params, max_lag, timeout, publish_every=1):
         self.ring, self.slots, self.stats, self.params = ring, slots, stats, params
-        self.max_lag, self.timeout = max_lag, timeout
+        self.max_lag, self.timeout, self.publish_every = max_lag, timeout, publish_every
         self.version = 0
         self.ready = {}  # ticket -> (collector, sequence number), arrived ahead of its turn
         self.next_seq = defaultdict(int)
@@ -131,5 +140,7 @@ class Trainer:
         return batch
 
     def publish(self, params=None):
+        """End this version; the collectors get the new weights every `publish_every` versions."""
         self.version += 1
-        self.ring.publish(self.params if params is None else params, self.version)
+        if self.version % self.publish_every == 0:
+            self.ring.publish(self.params if params is None else params, self.version)

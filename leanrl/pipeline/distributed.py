@@ -5,7 +5,7 @@ gloo's point-to-point requests only complete inside `wait()`, so every receive r
 own: one per collector on the trainer (batches), one on each collector (weights).
 
 Tickets are a fixed schedule (collector c takes c, c + C, c + 2C, ...), so admission only needs the newest
-version a collector has received. Weights: after every publish the trainer sends `[version, stop]` and
+version a collector has received. Weights: at every publish the trainer sends `[version, stop]` and
 the flat parameters to every collector. Double buffer: the receiving thread writes a staging buffer and
 files a copy under its version; the collector copies a filed version into its parameters, in place, only
 at a step boundary, so a forward pass never sees a half-received version.
@@ -15,6 +15,7 @@ traceback (ERROR) or nothing (DONE: the collector has stopped and sends no more)
 
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -68,8 +69,12 @@ class DistCollector:
     def _receive_weights(self, size):
         header, staging = torch.zeros(2, dtype=torch.int64), torch.zeros(size)
         while True:
-            dist.recv(header, 0, tag=WEIGHT_TAG)
-            dist.recv(staging, 0, tag=WEIGHT_TAG)
+            try:
+                dist.recv(header, 0, tag=WEIGHT_TAG)
+                dist.recv(staging, 0, tag=WEIGHT_TAG)
+            except RuntimeError:  # the trainer's connection closed (it was killed): leave instead of waiting forever
+                self.stopped.set()
+                return
             version, stop = header.tolist()
             if stop:
                 self.stopped.set()
@@ -149,10 +154,10 @@ class _Sender:
 
 
 class DistTrainer(Trainer):
-    def __init__(self, num_collectors, batch_template, params, max_lag, timeout):
+    def __init__(self, num_collectors, batch_template, params, max_lag, timeout, publish_every):
         slots = [[batch_template.cpu().clone() for _ in range(max_lag + 1)] for _ in range(num_collectors)]
         super().__init__(_Sender(params, num_collectors), slots, Stats(max_lag, torch.zeros(
-            num_collectors, 2, dtype=torch.float64)), params, max_lag, timeout)
+            num_collectors, 2, dtype=torch.float64)), params, max_lag, timeout, publish_every)
         self.messages = queue.Queue()
         self.consumed_seq = [-1] * num_collectors
         self.closing = False
@@ -210,10 +215,14 @@ class DistTrainer(Trainer):
 
 
 def start_distributed(num_collectors, collector_fn, fn_args, batch_template, params, *, max_lag,
-                      deterministic=False, timeout=None):
-    check_settings("distributed", num_collectors, max_lag, deterministic)
+                      deterministic=False, timeout=None, publish_every=1):
+    check_settings("distributed", num_collectors, max_lag, deterministic, publish_every)
     if not is_collector_rank(num_collectors):
-        return DistTrainer(num_collectors, batch_template, params, max_lag, timeout)
+        return DistTrainer(num_collectors, batch_template, params, max_lag, timeout, publish_every)
+    # torchrun passes SIGTERM (and a terminal's Ctrl-C) to every rank: a collector leaves the shutdown to the
+    # trainer, which saves its checkpoint and then stops every collector between two messages.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = DistCollector(num_collectors, max_lag, deterministic)
     try:
         collector_fn(ctx, *fn_args)

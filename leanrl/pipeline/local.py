@@ -110,8 +110,8 @@ class LocalTrainer(Trainer):
     joins them on exit (on an error or Ctrl-C too)."""
 
     def __init__(self, transport, num_collectors, collector_fn, fn_args, batch_template, params, *, max_lag,
-                 deterministic=False, timeout=None):
-        check_settings(transport, num_collectors, max_lag, deterministic)
+                 deterministic=False, timeout=None, publish_every=1):
+        check_settings(transport, num_collectors, max_lag, deterministic, publish_every)
         is_process = transport == "processes"
         template = batch_template.cpu() if is_process else batch_template
         slots = [torch.stack([template.clone() for _ in range(max_lag + 1)]) for _ in range(num_collectors)]
@@ -126,7 +126,7 @@ class LocalTrainer(Trainer):
         stats = torch.zeros(num_collectors, 2, dtype=torch.float64)
         if is_process:
             stats.share_memory_()
-        super().__init__(ring, slots, Stats(max_lag, stats), params, max_lag, timeout)
+        super().__init__(ring, slots, Stats(max_lag, stats), params, max_lag, timeout, publish_every)
         self.messages = messages
         ring.publish(params, 0)  # version 0: the initial weights
         # Kept on self: Process.start() drops its arguments, and a lock collected here would be unlinked

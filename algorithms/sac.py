@@ -1,0 +1,326 @@
+"""SAC (Haarnoja et al., 2018) with automatic entropy tuning and CleanRL's implementation details.
+
+Read top to bottom: arguments, networks, the tanh-Gaussian policy written out (no torch.distributions, so no
+validation check or host sync hides in it), the twin critic (both Q networks in ONE stacked parameter
+TensorDict, evaluated with one `torch.vmap` call), the target, the three functions `leanrl.accelerate`
+compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor` with the temperature step), then the
+training loop. Depends only on leanrl, torch and tensordict (torchrl's replay buffer through
+`leanrl.offpolicy`); environments are passed in (see `envs/`).
+
+Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
+from `truncated`; the target cuts the bootstrap only on termination, so a time limit bootstraps.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tensordict import from_module, from_modules
+
+import leanrl
+from leanrl.offpolicy import (check_box_spaces, check_envs, check_replay_args, load_loop_state, log_step,
+                              loop_state, make_replay_buffer, make_twin_q, store)
+
+
+@dataclass
+class Args(leanrl.RunArgs):
+    env_id: str = "HalfCheetah-v5"
+    """the id of the environment (continuous actions)"""
+    num_envs: int = 1
+    """the number of parallel environments (one critic update per vector step, as CleanRL)"""
+    buffer_size: int = 1_000_000
+    """the replay memory buffer size"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 0.005
+    """target smoothing coefficient (the target critic moves after every critic update)"""
+    batch_size: int = 256
+    """the batch size of samples from the replay memory"""
+    learning_starts: int = 5_000
+    """env steps of uniformly random actions before learning starts"""
+    policy_lr: float = 3e-4
+    """the learning rate of the policy network optimizer"""
+    q_lr: float = 1e-3
+    """the learning rate of the Q network optimizer (and of the temperature's)"""
+    policy_frequency: int = 2
+    """every this many critic updates, this many actor (and temperature) updates (delayed, as CleanRL)"""
+    alpha: float = 0.2
+    """entropy regularization coefficient (the initial one is 1 when autotune is on, as CleanRL's log_alpha = 0)"""
+    autotune: bool = True
+    """automatic tuning of the entropy coefficient, towards an entropy of -action_dim"""
+    hidden_dim: int = 256
+    """width of the two hidden layers of the actor and of each critic"""
+    save_buffer: bool = False
+    """include the replay buffer in checkpoints (all of its storage: about 160 MB for HalfCheetah at 1e6). Off by
+    default, so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with
+    the restored policy and updates again after learning_starts new steps"""
+    eval_every: int = 0
+    """run a deterministic evaluation (charts/eval_return; the action is the squashed mean) every this many env
+    steps (0: never)"""
+    eval_episodes: int = 10
+    """episodes per evaluation (one per env of the evaluation env)"""
+    log_every: int = 1000
+    """read metrics to the host every this many iterations (vector env steps)"""
+    checkpoint_every: int = 50_000
+    """save a checkpoint every this many iterations (0: only at exit)"""
+
+
+def check_args(args: Args) -> int:
+    """Fail on settings that cannot work, before any environment is built or anything compiled.
+    Returns the number of iterations (vector env steps)."""
+    num_iterations = check_replay_args(args)
+    if args.policy_frequency < 1:
+        raise ValueError(f"policy_frequency = {args.policy_frequency} must be at least 1")
+    if not args.autotune and args.alpha < 0:
+        raise ValueError(f"alpha = {args.alpha} must be >= 0")
+    return num_iterations
+
+
+# ---------------------------------------------------------------------------------------------- networks
+class SoftQNetwork(nn.Module):
+    def __init__(self, obs_dim, action_dim, hidden_dim=256, device=None):
+        super().__init__()
+        self.fc1 = nn.Linear(obs_dim + action_dim, hidden_dim, device=device)
+        self.fc2 = nn.Linear(hidden_dim, hidden_dim, device=device)
+        self.fc3 = nn.Linear(hidden_dim, 1, device=device)
+
+    def forward(self, obs, action):
+        x = torch.cat([obs, action], -1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x))))).squeeze(-1)
+
+
+LOG_STD_MAX = 2
+LOG_STD_MIN = -5
+
+
+class Actor(nn.Module):
+    """Gaussian policy head: mean and a log-std squashed into [LOG_STD_MIN, LOG_STD_MAX] (SpinUp / Yarats)."""
+
+    def __init__(self, obs_dim, action_space, hidden_dim=256, device=None):
+        super().__init__()
+        action_dim = action_space.shape[0]
+        self.fc1 = nn.Linear(obs_dim, hidden_dim, device=device)
+        self.fc2 = nn.Linear(hidden_dim, hidden_dim, device=device)
+        self.fc_mean = nn.Linear(hidden_dim, action_dim, device=device)
+        self.fc_logstd = nn.Linear(hidden_dim, action_dim, device=device)
+        low, high = torch.as_tensor(action_space.low), torch.as_tensor(action_space.high)
+        self.register_buffer("action_scale", ((high - low) / 2).float().to(device))
+        self.register_buffer("action_bias", ((high + low) / 2).float().to(device))
+
+    def forward(self, obs):
+        x = F.relu(self.fc2(F.relu(self.fc1(obs))))
+        log_std = torch.tanh(self.fc_logstd(x))
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
+        return self.fc_mean(x), log_std
+
+
+def sample_action(actor, obs):
+    """A reparameterized tanh-Gaussian action in the env's bounds and its log-probability (with the change of
+    variables of tanh and of the rescaling, as CleanRL)."""
+    mean, log_std = actor(obs)
+    eps = torch.randn_like(mean)
+    x_t = mean + log_std.exp() * eps
+    y_t = torch.tanh(x_t)
+    action = y_t * actor.action_scale + actor.action_bias
+    log_prob = -0.5 * eps.pow(2) - log_std - 0.5 * math.log(2 * math.pi)  # Normal(mean, std).log_prob(x_t)
+    log_prob = log_prob - torch.log(actor.action_scale * (1 - y_t.pow(2)) + 1e-6)
+    return action, log_prob.sum(-1)
+
+
+def deterministic_action(actor, obs):
+    mean, _ = actor(obs)
+    return torch.tanh(mean) * actor.action_scale + actor.action_bias
+
+
+# ------------------------------------------------------------------------------------------- the target
+def sac_target(next_q, next_log_pi, rewards, terminated, alpha, gamma: float):
+    """Soft clipped double-Q target: next_q (2, batch) from the target critics at a fresh next action, minus the
+    entropy term alpha * log pi; no bootstrap past a termination."""
+    return rewards + gamma * (~terminated).float() * (next_q.min(0).values - alpha * next_log_pi)
+
+
+# ----------------------------------------------------------------------------------- the three functions
+def make_policy(actor_inference):
+    def policy(obs):
+        return sample_action(actor_inference, obs)[0]
+
+    return policy
+
+
+CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values")
+ACTOR_METRICS = ("losses/actor_loss", "losses/alpha_loss", "losses/alpha")
+
+
+def make_update_critic(actor, twin_q, q_params, q_online, q_target, log_alpha, optimizer, args: Args):
+    """The critic step, then the target critic moves with ONE lerp_ in place (every step, as CleanRL)."""
+
+    def update_critic(obs, actions, rewards, next_obs, terminated):
+        alpha = log_alpha.detach().exp()
+        with torch.no_grad():
+            next_actions, next_log_pi = sample_action(actor, next_obs)
+            target = sac_target(twin_q(q_target, next_obs, next_actions), next_log_pi, rewards, terminated, alpha,
+                                args.gamma)
+        q = twin_q(q_params, obs, actions)  # (2, batch)
+        qf_losses = ((q - target) ** 2).mean(-1)
+        loss = qf_losses.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        q_target.lerp_(q_online, args.tau)  # target <- (1 - tau) target + tau online, at the same addresses
+        q = q.detach().mean(-1)
+        return torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+
+    return update_critic
+
+
+def make_update_actor(actor, twin_q, q_online, log_alpha, actor_optimizer, alpha_optimizer, target_entropy: float):
+    """The actor step against the smaller of the two critics; with autotune, then the temperature step."""
+
+    def update_actor(obs):
+        alpha = log_alpha.detach().exp()
+        pi, log_pi = sample_action(actor, obs)
+        min_q = twin_q(q_online, obs, pi).min(0).values
+        actor_loss = (alpha * log_pi - min_q).mean()
+        actor_optimizer.zero_grad()
+        actor_loss.backward()
+        actor_optimizer.step()
+        if alpha_optimizer is None:
+            alpha_loss = torch.zeros_like(actor_loss)
+        else:
+            with torch.no_grad():
+                _, log_pi = sample_action(actor, obs)
+            alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()
+            alpha_optimizer.zero_grad()
+            alpha_loss.backward()
+            alpha_optimizer.step()
+        return torch.stack([actor_loss.detach(), alpha_loss.detach(), log_alpha.detach().exp()])
+
+    return update_actor
+
+
+# ------------------------------------------------------------------------------------------- training
+class SAC:
+    """Actor, twin critic, target critic, temperature, optimizers, replay buffer and the accelerated functions."""
+
+    def __init__(self, args: Args, envs, device, eval_envs=None):
+        self.args, self.envs, self.eval_envs, self.device = args, envs, eval_envs, torch.device(device)
+        self.num_iterations = check_args(args)
+        obs_space, act_space = envs.single_observation_space, envs.single_action_space
+        check_box_spaces("SAC", obs_space, act_space)
+        check_envs("SAC", args, envs, eval_envs)
+        self.obs_dim, self.action_dim, H = obs_space.shape[0], act_space.shape[0], args.hidden_dim
+        self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
+        self.high = torch.as_tensor(act_space.high, dtype=torch.float32, device=device)
+
+        self.actor = Actor(self.obs_dim, act_space, H, device)
+        # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
+        self.actor_inference = Actor(self.obs_dim, act_space, H, "meta")
+        from_module(self.actor).data.to_module(self.actor_inference)
+        # Twin critic: the weights of both networks stacked in one TensorDict (leading dim 2).
+        self.q_params = from_modules(*(SoftQNetwork(self.obs_dim, self.action_dim, H, device) for _ in range(2)),
+                                     as_module=True)
+        self.q_online = self.q_params.data  # the same storage, without autograd
+        self.q_target = self.q_online.clone()
+        _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"))
+
+        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)  # make_adam and accelerate
+        # Temperature: log_alpha is learned (autotune) or a constant.
+        self.target_entropy = -float(self.action_dim)
+        if args.autotune:
+            self.log_alpha = torch.zeros((), device=device, requires_grad=True)
+            self.alpha_optimizer = leanrl.make_adam([self.log_alpha], args.q_lr, **wrap)
+        else:
+            self.log_alpha = torch.tensor(math.log(args.alpha) if args.alpha > 0 else -math.inf, device=device)
+            self.alpha_optimizer = None
+        self.q_optimizer = leanrl.make_adam(list(self.q_params.values(True, True)), args.q_lr, **wrap)
+        self.actor_optimizer = leanrl.make_adam(list(self.actor.parameters()), args.policy_lr, **wrap)
+
+        self.policy = leanrl.accelerate(make_policy(self.actor_inference), name="policy", **wrap)
+        self.update_critic = leanrl.accelerate(
+            make_update_critic(self.actor, self.twin_q, self.q_params, self.q_online, self.q_target, self.log_alpha,
+                               self.q_optimizer, args), name="update_critic", **wrap)
+        self.update_actor = leanrl.accelerate(
+            make_update_actor(self.actor, self.twin_q, self.q_online, self.log_alpha, self.actor_optimizer,
+                              self.alpha_optimizer, self.target_entropy), name="update_actor", **wrap)
+
+        self.rb = make_replay_buffer(args.buffer_size, args.batch_size, device)
+        self.obs = None
+        self.critic_out = self.actor_out = None  # the last update outputs, read at log boundaries
+        self.logged = {}  # the last values written to the log (set by leanrl.run)
+        self.global_step = self.iteration = 0
+        self.updates = 0  # critic updates by this process (compile and capture happen in the first few)
+        self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
+
+    def random_actions(self):
+        """Uniform in the action bounds, drawn with torch on the run's device."""
+        u = torch.rand(self.args.num_envs, self.action_dim, device=self.device)
+        return self.low + (self.high - self.low) * u
+
+    def eval_policy(self, obs):
+        return deterministic_action(self.actor_inference, obs)
+
+    def reset(self, seed):
+        self.obs = self.envs.reset(seed=seed)
+
+    def train_iteration(self, logger):
+        args, n = self.args, self.args.num_envs
+        with torch.no_grad():
+            action = self.random_actions() if self.global_step < args.learning_starts else self.policy(self.obs)
+        out = self.envs.step(action)
+        store(self.rb, self.obs, action, out, out["final_obs"])
+        self.obs = out["next_obs"]
+        before, self.global_step = self.global_step, self.global_step + n
+        self.iteration += 1
+        if self.global_step - self.fill_start > args.learning_starts:
+            self.updates += 1
+            data = self.rb.sample()
+            self.critic_out = self.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
+                                                 data["terminated"])
+            if self.iteration % args.policy_frequency == 0:
+                for _ in range(args.policy_frequency):  # compensate for the delay, as CleanRL
+                    self.actor_out = self.update_actor(data["obs"])
+        if self.updates == 3 * args.policy_frequency + 1:
+            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
+            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+            logger.burn_in = logger.iterations + 1
+        log_step(self, logger, out, before, (CRITIC_METRICS, self.critic_out), (ACTOR_METRICS, self.actor_out))
+
+    def benchmark_calls(self):
+        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
+        B, device = self.args.batch_size, self.device
+        obs, next_obs = torch.randn(B, self.obs_dim, device=device), torch.randn(B, self.obs_dim, device=device)
+        actions = self.low + (self.high - self.low) * torch.rand(B, self.action_dim, device=device)
+        rewards, terminated = torch.randn(B, device=device), torch.zeros(B, dtype=torch.bool, device=device)
+        policy_obs = torch.randn(self.args.num_envs, self.obs_dim, device=device)
+        return {"policy": (self.policy, (policy_obs,)),
+                "update_critic": (self.update_critic, (obs, actions, rewards, next_obs, terminated)),
+                "update_actor": (self.update_actor, (obs,))}
+
+    def state_dict(self):
+        return dict(actor=self.actor.state_dict(), q_params=self.q_online.to_dict(), q_target=self.q_target.to_dict(),
+                    log_alpha=self.log_alpha.detach(), q_optimizer=self.q_optimizer.state_dict(),
+                    actor_optimizer=self.actor_optimizer.state_dict(),
+                    alpha_optimizer=self.alpha_optimizer.state_dict() if self.alpha_optimizer else None,
+                    **loop_state(self))
+
+    def load_state_dict(self, state):
+        # In place, so every address a captured graph holds stays valid.
+        self.actor.load_state_dict(state["actor"])
+        self.q_online.update_(state["q_params"])
+        self.q_target.update_(state["q_target"])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        self.q_optimizer.load_state_dict(state["q_optimizer"])
+        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
+        if self.alpha_optimizer is not None:
+            self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
+        load_loop_state(self, state)
+
+
+def train(args: Args, envs, device=None, eval_envs=None) -> SAC:
+    """Run SAC to `args.total_timesteps` (logging, checkpoints, resume: see `leanrl.run`)."""
+    device = device or leanrl.resolve_device(args.device)
+    leanrl.seed_everything(args.seed, args.torch_deterministic)
+    return leanrl.run(SAC(args, envs, device, eval_envs), args)

@@ -1,0 +1,280 @@
+"""TD3 (Fujimoto et al., 2018) with CleanRL's implementation details.
+
+Read top to bottom: arguments, networks, the twin critic (both Q networks in ONE stacked parameter
+TensorDict, evaluated with one `torch.vmap` call), the targets, the three functions `leanrl.accelerate`
+compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor`), then the training loop.
+Depends only on leanrl, torch and tensordict (torchrl's replay buffer through `leanrl.offpolicy`);
+environments are passed in (see `envs/`).
+
+Bootstrapping: a transition stores the true next observation (the env's `final_obs`, which differs from
+`next_obs` only where an episode ended and was auto-reset) and `terminated` apart from `truncated`.
+The target cuts the bootstrap only on termination; a time-limit truncation bootstraps from `final_obs`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tensordict import TensorDict, from_module, from_modules
+
+import leanrl
+from leanrl.offpolicy import (check_box_spaces, check_envs, check_replay_args, load_loop_state, log_step,
+                              loop_state, make_replay_buffer, make_twin_q, store)
+
+
+@dataclass
+class Args(leanrl.RunArgs):
+    env_id: str = "HalfCheetah-v5"
+    """the id of the environment (continuous actions)"""
+    num_envs: int = 1
+    """the number of parallel environments (one update per vector step, as CleanRL)"""
+    learning_rate: float = 3e-4
+    """the learning rate of both optimizers"""
+    buffer_size: int = 1_000_000
+    """the replay memory buffer size"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 0.005
+    """target smoothing coefficient"""
+    batch_size: int = 256
+    """the batch size of samples from the replay memory"""
+    policy_noise: float = 0.2
+    """the scale of the target policy smoothing noise (times the action scale)"""
+    exploration_noise: float = 0.1
+    """the scale of the exploration noise (times the action scale)"""
+    learning_starts: int = 25_000
+    """env steps of uniformly random actions before learning starts"""
+    policy_frequency: int = 2
+    """delay of the actor and target updates, in critic updates"""
+    noise_clip: float = 0.5
+    """noise clip parameter of the target policy smoothing"""
+    hidden_dim: int = 256
+    """width of the two hidden layers of the actor and of each critic"""
+    save_buffer: bool = False
+    """include the replay buffer in checkpoints (all of its storage: about 160 MB for HalfCheetah at 1e6). Off by
+    default, so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with
+    the restored policy and updates again after learning_starts new steps"""
+    eval_every: int = 0
+    """run a deterministic evaluation (charts/eval_return) every this many env steps (0: never)"""
+    eval_episodes: int = 10
+    """episodes per evaluation (one per env of the evaluation env)"""
+    log_every: int = 1000
+    """read metrics to the host every this many iterations (vector env steps)"""
+    checkpoint_every: int = 50_000
+    """save a checkpoint every this many iterations (0: only at exit)"""
+
+
+def check_args(args: Args) -> int:
+    """Fail on settings that cannot work, before any environment is built or anything compiled.
+    Returns the number of iterations (vector env steps)."""
+    num_iterations = check_replay_args(args)
+    if args.policy_frequency < 1:
+        raise ValueError(f"policy_frequency = {args.policy_frequency} must be at least 1")
+    return num_iterations
+
+
+# ---------------------------------------------------------------------------------------------- networks
+class QNetwork(nn.Module):
+    def __init__(self, obs_dim, action_dim, hidden_dim=256, device=None):
+        super().__init__()
+        self.fc1 = nn.Linear(obs_dim + action_dim, hidden_dim, device=device)
+        self.fc2 = nn.Linear(hidden_dim, hidden_dim, device=device)
+        self.fc3 = nn.Linear(hidden_dim, 1, device=device)
+
+    def forward(self, obs, action):
+        x = torch.cat([obs, action], -1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x))))).squeeze(-1)
+
+
+class Actor(nn.Module):
+    """Deterministic policy: tanh, rescaled to the action bounds."""
+
+    def __init__(self, obs_dim, action_space, hidden_dim=256, device=None):
+        super().__init__()
+        action_dim = action_space.shape[0]
+        self.fc1 = nn.Linear(obs_dim, hidden_dim, device=device)
+        self.fc2 = nn.Linear(hidden_dim, hidden_dim, device=device)
+        self.fc_mu = nn.Linear(hidden_dim, action_dim, device=device)
+        low, high = torch.as_tensor(action_space.low), torch.as_tensor(action_space.high)
+        self.register_buffer("action_scale", ((high - low) / 2).float().to(device))
+        self.register_buffer("action_bias", ((high + low) / 2).float().to(device))
+
+    def forward(self, obs):
+        x = F.relu(self.fc2(F.relu(self.fc1(obs))))
+        return self.fc_mu(x).tanh() * self.action_scale + self.action_bias
+
+
+# ------------------------------------------------------------------------------------------- the targets
+def smoothed_target_actions(target_actions, noise, *, policy_noise, noise_clip, action_scale, low, high):
+    """Target policy smoothing: clipped Gaussian noise (`noise` ~ N(0, 1)) on the target actor's actions."""
+    clipped = (noise * policy_noise).clamp(-noise_clip, noise_clip) * action_scale
+    return (target_actions + clipped).clamp(low, high)
+
+
+def td3_target(next_q, rewards, terminated, gamma: float):
+    """Clipped double-Q target: next_q (2, batch) from the two target critics; no bootstrap past a termination."""
+    return rewards + gamma * (~terminated).float() * next_q.min(0).values
+
+
+# ----------------------------------------------------------------------------------- the three functions
+def make_policy(actor_inference, exploration_noise: float, low, high):
+    def policy(obs):
+        action = actor_inference(obs)
+        noise = torch.randn_like(action) * actor_inference.action_scale * exploration_noise
+        return (action + noise).clamp(low, high)
+
+    return policy
+
+
+CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values")
+ACTOR_METRICS = ("losses/actor_loss",)
+
+
+def make_update_critic(actor_target, twin_q, q_params, q_target, optimizer, args: Args, low, high):
+    def update_critic(obs, actions, rewards, next_obs, terminated):
+        with torch.no_grad():
+            next_actions = smoothed_target_actions(
+                actor_target(next_obs), torch.randn_like(actions), policy_noise=args.policy_noise,
+                noise_clip=args.noise_clip, action_scale=actor_target.action_scale, low=low, high=high)
+            target = td3_target(twin_q(q_target, next_obs, next_actions), rewards, terminated, args.gamma)
+        q = twin_q(q_params, obs, actions)  # (2, batch)
+        qf_losses = ((q - target) ** 2).mean(-1)
+        loss = qf_losses.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        q = q.detach().mean(-1)
+        return torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+
+    return update_critic
+
+
+def make_update_actor(actor, q_value, q1_params, targets, online, optimizer, tau: float):
+    """The delayed step: the actor climbs the first critic, then every target moves with ONE lerp_ in place."""
+
+    def update_actor(obs):
+        actor_loss = -q_value(q1_params, obs, actor(obs)).mean()
+        optimizer.zero_grad()
+        actor_loss.backward()
+        optimizer.step()
+        targets.lerp_(online, tau)  # target <- (1 - tau) target + tau online, at the same addresses
+        return actor_loss.detach()[None]
+
+    return update_actor
+
+
+# ------------------------------------------------------------------------------------------- training
+class TD3:
+    """Actor, twin critic, targets, optimizers, replay buffer and the accelerated functions, built once."""
+
+    def __init__(self, args: Args, envs, device, eval_envs=None):
+        self.args, self.envs, self.eval_envs, self.device = args, envs, eval_envs, torch.device(device)
+        self.num_iterations = check_args(args)
+        obs_space, act_space = envs.single_observation_space, envs.single_action_space
+        check_box_spaces("TD3", obs_space, act_space)
+        check_envs("TD3", args, envs, eval_envs)
+        obs_dim, H = obs_space.shape[0], args.hidden_dim
+        self.obs_dim, self.action_dim = obs_dim, act_space.shape[0]
+        self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
+        self.high = torch.as_tensor(act_space.high, dtype=torch.float32, device=device)
+
+        self.actor = Actor(obs_dim, act_space, H, device)
+        # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
+        self.actor_inference = Actor(obs_dim, act_space, H, "meta")
+        from_module(self.actor).data.to_module(self.actor_inference)
+        # Twin critic: the weights of both networks stacked in one TensorDict (leading dim 2).
+        self.q_params = from_modules(*(QNetwork(obs_dim, self.action_dim, H, device) for _ in range(2)), as_module=True)
+        self.qnet = QNetwork(obs_dim, self.action_dim, H, "meta")
+        self.q_value, self.twin_q = make_twin_q(self.qnet)
+        # Targets: one TensorDict holding copies of both, moved by one lerp_ (see make_update_actor).
+        self.online = TensorDict(actor=from_module(self.actor).data, q=self.q_params.data)
+        self.targets = self.online.clone()
+        self.actor_target = Actor(obs_dim, act_space, H, "meta")
+        self.targets["actor"].to_module(self.actor_target)
+
+        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)  # make_adam and accelerate
+        self.q_optimizer = leanrl.make_adam(list(self.q_params.values(True, True)), args.learning_rate, **wrap)
+        self.actor_optimizer = leanrl.make_adam(list(self.actor.parameters()), args.learning_rate, **wrap)
+
+        self.policy = leanrl.accelerate(make_policy(self.actor_inference, args.exploration_noise, self.low, self.high),
+                                        name="policy", **wrap)
+        self.update_critic = leanrl.accelerate(
+            make_update_critic(self.actor_target, self.twin_q, self.q_params, self.targets["q"], self.q_optimizer,
+                               args, self.low, self.high), name="update_critic", **wrap)
+        self.update_actor = leanrl.accelerate(
+            make_update_actor(self.actor, self.q_value, self.q_params.data[0], self.targets, self.online,
+                              self.actor_optimizer, args.tau), name="update_actor", **wrap)
+
+        self.rb = make_replay_buffer(args.buffer_size, args.batch_size, device)
+        self.obs = None
+        self.critic_out = self.actor_out = None  # the last update outputs, read at log boundaries
+        self.logged = {}  # the last values written to the log (set by leanrl.run)
+        self.global_step = self.iteration = 0
+        self.updates = 0  # critic updates by this process (compile and capture happen in the first few)
+        self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
+
+    def random_actions(self):
+        """Uniform in the action bounds, drawn with torch on the run's device."""
+        u = torch.rand(self.args.num_envs, self.action_dim, device=self.device)
+        return self.low + (self.high - self.low) * u
+
+    def eval_policy(self, obs):
+        return self.actor_inference(obs)
+
+    def reset(self, seed):
+        self.obs = self.envs.reset(seed=seed)
+
+    def train_iteration(self, logger):
+        args, n = self.args, self.args.num_envs
+        with torch.no_grad():
+            action = self.random_actions() if self.global_step < args.learning_starts else self.policy(self.obs)
+        out = self.envs.step(action)
+        store(self.rb, self.obs, action, out, out["final_obs"])
+        self.obs = out["next_obs"]
+        before, self.global_step = self.global_step, self.global_step + n
+        self.iteration += 1
+        if self.global_step - self.fill_start > args.learning_starts:
+            self.updates += 1
+            data = self.rb.sample()
+            self.critic_out = self.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
+                                                 data["terminated"])
+            if self.iteration % args.policy_frequency == 0:
+                self.actor_out = self.update_actor(data["obs"])
+        if self.updates == 3 * args.policy_frequency + 1:
+            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
+            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+            logger.burn_in = logger.iterations + 1
+        log_step(self, logger, out, before, (CRITIC_METRICS, self.critic_out), (ACTOR_METRICS, self.actor_out))
+
+    def benchmark_calls(self):
+        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
+        B, obs_dim = self.args.batch_size, self.obs_dim
+        obs, next_obs = torch.randn(B, obs_dim, device=self.device), torch.randn(B, obs_dim, device=self.device)
+        actions = self.low + (self.high - self.low) * torch.rand(B, self.action_dim, device=self.device)
+        rewards, terminated = torch.randn(B, device=self.device), torch.zeros(B, dtype=torch.bool, device=self.device)
+        policy_obs = torch.randn(self.args.num_envs, obs_dim, device=self.device)
+        return {"policy": (self.policy, (policy_obs,)),
+                "update_critic": (self.update_critic, (obs, actions, rewards, next_obs, terminated)),
+                "update_actor": (self.update_actor, (obs,))}
+
+    def state_dict(self):
+        return dict(actor=self.actor.state_dict(), q_params=self.q_params.data.to_dict(),
+                    targets=self.targets.to_dict(), q_optimizer=self.q_optimizer.state_dict(),
+                    actor_optimizer=self.actor_optimizer.state_dict(), **loop_state(self))
+
+    def load_state_dict(self, state):
+        # In place, so every address a captured graph holds stays valid.
+        self.actor.load_state_dict(state["actor"])
+        self.q_params.data.update_(state["q_params"])
+        self.targets.update_(state["targets"])
+        self.q_optimizer.load_state_dict(state["q_optimizer"])
+        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
+        load_loop_state(self, state)
+
+
+def train(args: Args, envs, device=None, eval_envs=None) -> TD3:
+    """Run TD3 to `args.total_timesteps` (logging, checkpoints, resume: see `leanrl.run`)."""
+    device = device or leanrl.resolve_device(args.device)
+    leanrl.seed_everything(args.seed, args.torch_deterministic)
+    return leanrl.run(TD3(args, envs, device, eval_envs), args)

@@ -1,0 +1,58 @@
+"""Regenerate README.md's benchmark section from the saved results, never by hand:
+
+    python benchmarks/readme_tables.py [--readme README.md] [--results benchmarks/results]
+
+Everything between `<!-- bench:start -->` and `<!-- bench:end -->` is replaced by the summary of each
+machine folder under --results (CPU machines first; --quick smoke runs left out); the rest of the file
+is left as it is.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from report import summary_markdown  # noqa: E402
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def section(results_dir: str, readme_dir: str) -> str:
+    machines = []
+    for slug in sorted(os.listdir(results_dir)):
+        path = os.path.join(results_dir, slug, "results.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                results = json.load(f)
+            if not results["settings"]["quick"]:
+                machines.append((results["machine"]["gpu"] is not None, slug, results))
+    if not machines:
+        return "No benchmark results yet: run `python benchmarks/run.py`."
+    return "\n".join(f"### {'GPU' if gpu else 'CPU'}: {slug}\n\n"
+                     + summary_markdown(results, os.path.relpath(os.path.join(results_dir, slug), readme_dir))
+                     for gpu, slug, results in sorted(machines, key=lambda m: m[:2]))
+
+
+def main():
+    root = os.path.dirname(HERE)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--readme", default=os.path.join(root, "README.md"))
+    p.add_argument("--results", default=os.path.join(HERE, "results"))
+    a = p.parse_args()
+    with open(a.readme) as f:
+        text = f.read()
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        sys.exit(f"{a.readme}: needs exactly one {START} followed by one {END}")
+    head, rest = text.split(START)
+    tail = rest.split(END)[1]
+    body = section(a.results, os.path.dirname(os.path.abspath(a.readme)))
+    with open(a.readme, "w") as f:
+        f.write(f"{head}{START}\n{body}\n{END}{tail}")
+    print(f"{a.readme}: benchmark section regenerated")
+
+
+if __name__ == "__main__":
+    main()

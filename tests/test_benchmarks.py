@@ -1,0 +1,114 @@
+"""The benchmark harness, run as a user runs it (`benchmarks/run.py --quick`): valid JSON, markdown and PNG;
+every figure positive and finite; modes the machine cannot run marked as such; the README generator."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("eager", "compile", "cudagraphs", "compile+cudagraphs")
+
+
+def bench(*flags, script="run.py"):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *flags], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """CartPole in every mode, then Atari and the scaling curve eager into the same folder (an earlier run's
+    entries are kept). One torch thread: on a shared 2-core machine two threads mostly wait for each other."""
+    out = tmp_path_factory.mktemp("bench")
+    first = bench("--quick", "--algos", "ppo_cartpole", "--threads", "1", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = bench("--quick", "--algos", "ppo_atari,cartpole_scaling", "--modes", "eager", "--threads", "1",
+                   "--out", str(out))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "kept from an earlier run" in second.stdout and "ppo_cartpole" in second.stdout
+    assert "| ppo_atari" in second.stdout and "Targets:" in second.stdout  # the table printed at the end
+    return out
+
+
+def numbers(obj, path=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from numbers(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from numbers(v, f"{path}[{i}]")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield path, obj
+
+
+def test_results_json_has_the_machine_and_every_mode(out):
+    results = json.loads((out / "results.json").read_text())
+    m = results["machine"]
+    assert m["cores"] >= 1 and m["cpu"] and m["torch"] == torch.__version__
+    assert all(m[k] for k in ("tensordict", "torchrl", "python", "slug"))
+    cartpole, atari = results["algos"]["ppo_cartpole"]["modes"], results["algos"]["ppo_atari"]["modes"]
+    assert list(cartpole) == list(MODES) and list(atari) == ["eager"]
+    for r in (cartpole["eager"], cartpole["compile"], atari["eager"]):
+        assert r["status"] == "ok", r
+        assert set(r["calls"]) == {"policy", "update"} and r["sps"] > 0
+        assert all(c["p25_ms"] <= c["median_ms"] <= c["p75_ms"] for c in r["calls"].values())
+    assert "compile_s" in cartpole["compile"]["calls"]["update"]
+    assert "compile_s" not in cartpole["eager"]["calls"]["update"]  # absent, not zero
+    assert atari["eager"]["calls"]["update"]["input_shapes"][0][1:] == [4, 84, 84]
+    assert {t["status"] for t in results["targets"]} <= {"pass", "fail", "n/a", "info"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on this machine")
+def test_cuda_graph_modes_are_marked_unavailable_without_cuda(out):
+    modes = json.loads((out / "results.json").read_text())["algos"]["ppo_cartpole"]["modes"]
+    for mode in ("cudagraphs", "compile+cudagraphs"):
+        assert modes[mode]["status"] == "n/a" and "no CUDA" in modes[mode]["reason"]
+        assert "sps" not in modes[mode] and "calls" not in modes[mode]
+    table = (out / "ppo_cartpole.md").read_text()
+    assert table.count("n/a (no CUDA)") >= 2 * 3  # two columns, every row
+
+
+def test_every_number_is_positive_and_finite(out):
+    bad = [(p, v) for p, v in numbers(json.loads((out / "results.json").read_text()))
+           if not (math.isfinite(v) and v > 0)]
+    assert not bad
+
+
+def test_markdown_and_png_per_algorithm(out):
+    for name in ("ppo_cartpole", "ppo_atari", "cartpole_scaling"):
+        table = (out / f"{name}.md").read_text()
+        assert table.startswith(f"| {name} ") and "env-steps/s" in table
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "`update` ms/call" in (out / "ppo_atari.md").read_text()
+    points = json.loads((out / "results.json").read_text())["scaling"]["cartpole_scaling"]["modes"]["eager"]["points"]
+    assert [p["num_envs"] for p in points] == [4, 32] and all(p["sps"] > 0 for p in points)
+    summary = (out / "summary.md").read_text()
+    assert "ppo_cartpole" in summary and "ppo_atari" in summary and "Targets:" in summary
+
+
+def test_readme_section_is_regenerated_between_the_markers_only(out, tmp_path):
+    results = json.loads((out / "results.json").read_text())
+    results["settings"]["quick"] = False  # the generator leaves smoke runs out of the README
+    (tmp_path / "results" / "cpu-test").mkdir(parents=True)
+    (tmp_path / "results" / "cpu-test" / "results.json").write_text(json.dumps(results))
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\n<!-- bench:start -->\nold table\n<!-- bench:end -->\n\nafter\n")
+    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
+    assert proc.returncode == 0, proc.stderr
+    text = readme.read_text()
+    assert text.startswith("# title\n\n<!-- bench:start -->\n### CPU: cpu-test")
+    assert text.endswith("<!-- bench:end -->\n\nafter\n")
+    assert "old table" not in text and "| ppo_cartpole" in text and "(results/cpu-test/ppo_cartpole.png)" in text
+
+    readme.write_text("no markers\n")
+    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
+    assert proc.returncode != 0 and "bench:start" in proc.stderr and readme.read_text() == "no markers\n"
+
+
+def test_unknown_entry_fails_before_measuring():
+    proc = bench("--quick", "--algos", "ppo_cartpole,ppo_nope")
+    assert proc.returncode != 0 and "unknown entry 'ppo_nope'" in proc.stderr
