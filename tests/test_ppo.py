@@ -197,14 +197,17 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
 
 
 @torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
-def test_whole_iteration_graph_matches_step_by_step_eager(tmp_path):
+@pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
+def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path):
     """--graph-iteration (rollout on the on-device env, GAE and every epoch in one graph, phases compiled)
-    against plain eager, from the same seed. On CPU the graph falls back, the compiled phases remain."""
+    against plain eager, from the same seed, with discrete and continuous actions. On CPU the graph falls
+    back, the compiled phases remain."""
     torch._dynamo.reset()  # no compiled code cached by earlier tests (under other settings) may be reused
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     agents = []
     for mode in (dict(), dict(compile=True, cudagraphs=True, graph_iteration=True)):
-        args = ppo.Args(**{**CARTPOLE, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2, **mode})
+        args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
+                           **mode})
         leanrl.seed_everything(args.seed)
         algo = ppo.PPO(args, make_env(args.env_id, args.num_envs, device=device), device)
         algo.reset(args.seed)
