@@ -127,7 +127,7 @@ def make_q_network(observation_space, action_space, device=None):
     if len(shape) == 3:
         if tuple(shape) != (4, 84, 84):
             raise ValueError(f"DQN's CNN reads (4, 84, 84) frame stacks; got {shape}")
-        return AtariQNetwork(int(action_space.n), device)
+        return AtariQNetwork(int(action_space.n), device).to(memory_format=torch.channels_last)  # see ppo.make_agent
     if len(shape) != 1:
         raise ValueError(f"DQN reads flat observations or (4, 84, 84) frame stacks; got shape {shape}")
     return QNetwork(shape[0], int(action_space.n), device)
