@@ -556,11 +556,12 @@ def train_async(args: Args, make_envs, device=None) -> AsyncPPO | None:
     device = device or leanrl.resolve_device(args.device)
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     if args.transport == "distributed":
-        from leanrl.pipeline.distributed import is_collector_rank
-        if is_collector_rank(args.num_collectors):
-            leanrl.pipeline.start("distributed", args.num_collectors, ppo_collector,
-                                  (args, make_envs, torch.device("cpu")), None, None, max_lag=args.max_lag,
-                                  deterministic=args.deterministic, publish_every=args.publish_every)
+        from leanrl.pipeline.distributed import is_collector_rank, join
+        device = join(args.num_collectors, device)
+        if is_collector_rank():
+            leanrl.pipeline.start("distributed", args.num_collectors, ppo_collector, (args, make_envs, device), None,
+                                  None, max_lag=args.max_lag, deterministic=args.deterministic,
+                                  publish_every=args.publish_every)
             return None
     algo = AsyncPPO(args, make_envs, device)
     try:

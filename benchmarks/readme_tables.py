@@ -33,7 +33,19 @@ def section(results_dir: str, readme_dir: str) -> str:
         return "No benchmark results yet: run `python benchmarks/run.py`."
     return "\n".join(f"### {'GPU' if gpu else 'CPU'}: {slug}\n\n"
                      + summary_markdown(results, os.path.relpath(os.path.join(results_dir, slug), readme_dir))
+                     + async_section(os.path.join(results_dir, slug), readme_dir)
                      for gpu, slug, results in sorted(machines, key=lambda m: m[:2]))
+
+
+def async_section(folder: str, readme_dir: str) -> str:
+    """benchmarks/async_vs_sync.py's table and plot, when that machine has them."""
+    path = os.path.join(folder, "async_vs_sync.md")
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        table = f.read()
+    png = os.path.relpath(os.path.join(folder, "async_vs_sync.png"), readme_dir)
+    return f"\n#### Async vs sync (`benchmarks/async_vs_sync.py`)\n\n{table}\n![async_vs_sync]({png})\n"
 
 
 def main():

@@ -1,8 +1,14 @@
-"""Collectors and trainer as torch.distributed ranks (gloo), launched by torchrun: rank 0 trains, ranks
-1..C collect. Point-to-point messages only; no home-made networking.
+"""Collectors and trainer as torch.distributed ranks, launched by torchrun: rank 0 trains, ranks 1..C
+collect. Point-to-point messages only; no home-made networking.
+
+Backends: gloo carries the batches and every control message. The weights go over NCCL, GPU to GPU, when
+the run is on CUDA and every rank of a node has a GPU of its own (rank r of a node on GPU r), else over
+gloo from host memory. They have a process group of their own: NCCL ignores tags, and one communicator
+per direction cannot deadlock on the order in which two threads issue sends and receives.
 
 gloo's point-to-point requests only complete inside `wait()`, so every receive runs in a thread of its
-own: one per collector on the trainer (batches), one on each collector (weights).
+own: one per collector on the trainer (batches), one on each collector (weights, on a CUDA stream of its
+own so that a receive still waiting for the next version never holds back the collector's kernels).
 
 Tickets are a fixed schedule (collector c takes c, c + C, c + 2C, ...), so admission only needs the newest
 version a collector has received. Weights: at every publish the trainer sends `[version, stop]` and
@@ -20,20 +26,25 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from leanrl.pipeline.core import Stats, Trainer, check_settings
-from leanrl.pipeline.weights import _Stop
+from leanrl.pipeline.weights import _Stop, _sync_cuda
 
 BATCH, ERROR, DONE = 0, 1, 2
 BATCH_TAG, WEIGHT_TAG = 1, 2
 ERROR_BYTES = 1 << 16
 
 
-def is_collector_rank(num_collectors) -> bool:
-    """Join the torchrun group (gloo) and say whether this rank collects."""
+_weights_group = None  # the weights' own process group (set by join): NCCL on GPUs, else gloo
+
+
+def join(num_collectors, device: torch.device) -> torch.device:
+    """Join the torchrun group (every rank calls this first) and return this rank's device."""
+    global _weights_group
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ValueError("--transport distributed: launch with torchrun, e.g. `torchrun --nproc-per-node "
@@ -42,15 +53,42 @@ def is_collector_rank(num_collectors) -> bool:
     if dist.get_world_size() != num_collectors + 1:
         raise ValueError(f"--num-collectors {num_collectors} needs a world of {num_collectors + 1} ranks "
                          f"(one trainer), torchrun started {dist.get_world_size()}")
+    nccl = False
+    if device.type == "cuda":
+        local_rank, local_ranks = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        nccl = torch.cuda.device_count() >= local_ranks  # NCCL cannot connect two ranks on one GPU
+        if nccl:
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        elif dist.get_rank() == 0:
+            print(f"--transport distributed: {local_ranks} ranks on this node share {torch.cuda.device_count()} "
+                  "GPU(s); the collectors run on the CPU and the weights go over gloo (one GPU per rank puts "
+                  "every rank on its own GPU and the weights on NCCL)", flush=True)
+        else:
+            device = torch.device("cpu")
+    _weights_group = dist.new_group(backend="nccl" if nccl else "gloo")
+    return device
+
+
+def is_collector_rank() -> bool:
     return dist.get_rank() != 0
 
 
 def _flat(params):
+    """The parameters as one buffer: on their GPU when the weights go over NCCL, in host memory for gloo."""
     leaves = list(params.values(True, True))
     if len({t.dtype for t in leaves}) != 1:
         raise ValueError("--transport distributed sends the weights as one flat buffer: all parameters must "
                          "share a dtype")
-    return leaves, torch.cat([t.detach().reshape(-1).cpu() for t in leaves])
+    flat = torch.cat([t.detach().reshape(-1) for t in leaves])
+    return leaves, flat if dist.get_backend(_weights_group) == "nccl" else flat.cpu()
+
+
+def _receiving_stream(device):
+    if device.type != "cuda":
+        return nullcontext()
+    torch.cuda.set_device(device)  # the current device is per thread
+    return torch.cuda.stream(torch.cuda.Stream(device))
 
 
 def _leaves(batch):
@@ -66,12 +104,16 @@ class DistCollector:
         self.lock = threading.Lock()
         self.t_start, self.idle = time.perf_counter(), 0.0
 
-    def _receive_weights(self, size):
-        header, staging = torch.zeros(2, dtype=torch.int64), torch.zeros(size)
+    def _receive_weights(self, staging):
+        header = torch.zeros(2, dtype=torch.int64)
+        with _receiving_stream(staging.device):
+            self._receive_loop(header, staging)
+
+    def _receive_loop(self, header, staging):
         while True:
             try:
                 dist.recv(header, 0, tag=WEIGHT_TAG)
-                dist.recv(staging, 0, tag=WEIGHT_TAG)
+                dist.recv(staging, 0, group=_weights_group, tag=WEIGHT_TAG)
             except RuntimeError:  # the trainer's connection closed (it was killed): leave instead of waiting forever
                 self.stopped.set()
                 return
@@ -79,8 +121,10 @@ class DistCollector:
             if stop:
                 self.stopped.set()
                 return
+            received = staging.clone()
+            _sync_cuda()  # received and copied before it is filed
             with self.lock:
-                self.received[version] = staging.clone()
+                self.received[version] = received
                 while len(self.received) > self.max_lag + 2:
                     self.received.popitem(last=False)
 
@@ -105,7 +149,7 @@ class DistCollector:
     def batches(self, params, template):
         self.leaves, flat = _flat(params)
         self.sizes = [t.numel() for t in self.leaves]
-        threading.Thread(target=self._receive_weights, args=(flat.numel(),), daemon=True).start()
+        threading.Thread(target=self._receive_weights, args=(torch.zeros_like(flat),), daemon=True).start()
         batch = template.clone()
         j = 0
         while True:
@@ -150,7 +194,8 @@ class _Sender:
                 w.wait()
             header.copy_(torch.tensor([version, stop]))
             buf.copy_(flat)
-            self.work[c] = [dist.isend(header, c + 1, tag=WEIGHT_TAG), dist.isend(buf, c + 1, tag=WEIGHT_TAG)]
+            self.work[c] = [dist.isend(header, c + 1, tag=WEIGHT_TAG),
+                            dist.isend(buf, c + 1, group=_weights_group, tag=WEIGHT_TAG)]
 
 
 class DistTrainer(Trainer):
@@ -208,6 +253,7 @@ class DistTrainer(Trainer):
         for works in self.ring.work:
             for w in works:
                 w.wait()
+        _sync_cuda()  # the last weights are out before NCCL's group is destroyed
         for r in self.receivers:
             r.join()
         dist.barrier()
@@ -217,7 +263,9 @@ class DistTrainer(Trainer):
 def start_distributed(num_collectors, collector_fn, fn_args, batch_template, params, *, max_lag,
                       deterministic=False, timeout=None, publish_every=1):
     check_settings("distributed", num_collectors, max_lag, deterministic, publish_every)
-    if not is_collector_rank(num_collectors):
+    if _weights_group is None:
+        join(num_collectors, torch.device("cpu"))
+    if not is_collector_rank():
         return DistTrainer(num_collectors, batch_template, params, max_lag, timeout, publish_every)
     # torchrun passes SIGTERM (and a terminal's Ctrl-C) to every rank: a collector leaves the shutdown to the
     # trainer, which saves its checkpoint and then stops every collector between two messages.
