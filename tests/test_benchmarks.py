@@ -112,3 +112,28 @@ def test_readme_section_is_regenerated_between_the_markers_only(out, tmp_path):
 def test_unknown_entry_fails_before_measuring():
     proc = bench("--quick", "--algos", "ppo_cartpole,ppo_nope")
     assert proc.returncode != 0 and "unknown entry 'ppo_nope'" in proc.stderr
+
+
+def test_async_vs_sync_writes_its_table_plot_and_readme_section(out, tmp_path):
+    proc = bench("--total-timesteps", "1536", "--seeds", "1", "2", "--transports", "threads", "--num-collectors", "2",
+                 "--max-lag", "1", "--median-ms", "0.2", "--out-dir", str(tmp_path / "results"), "--machine", "cpu-test",
+                 script="async_vs_sync.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path / "results" / "cpu-test"
+    saved = json.loads((folder / "async_vs_sync.json").read_text())
+    variants = ["sync", "async-threads", "control: async-processes, max_lag 0"]
+    assert list(saved["runs"]) == variants and all(len(saved["runs"][v]) == 2 for v in variants)
+    assert saved["summary"]["async-threads"]["lag_max"] <= 1 and saved["summary"][variants[2]]["lag_max"] == 0
+    assert all(math.isfinite(x) and x > 0 for v in variants for k, x in saved["summary"][v].items()
+               if k in ("env_steps_per_s", "return_mean"))
+    assert f"| | {' | '.join(variants)} |" in (folder / "async_vs_sync.md").read_text()
+    assert (folder / "async_vs_sync.png").stat().st_size > 0
+
+    results = json.loads((out / "results.json").read_text())
+    results["settings"]["quick"] = False
+    (folder / "results.json").write_text(json.dumps(results))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
+    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "#### Async vs sync" in readme.read_text() and "(results/cpu-test/async_vs_sync.png)" in readme.read_text()
