@@ -116,8 +116,8 @@ def test_unknown_entry_fails_before_measuring():
 
 def test_async_vs_sync_writes_its_table_plot_and_readme_section(out, tmp_path):
     proc = bench("--total-timesteps", "1536", "--seeds", "1", "2", "--transports", "threads", "--num-collectors", "2",
-                 "--max-lag", "1", "--median-ms", "0.2", "--out-dir", str(tmp_path / "results"), "--machine", "cpu-test",
-                 script="async_vs_sync.py")
+                 "--max-lag", "1", "--median-ms", "0.2", "--out-dir", str(tmp_path / "results"),
+                 "--machine", "cpu-test", script="async_vs_sync.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = tmp_path / "results" / "cpu-test"
     saved = json.loads((folder / "async_vs_sync.json").read_text())
