@@ -2,7 +2,8 @@
 
 Read top to bottom: arguments, networks, the twin critic (both Q networks in ONE stacked parameter
 TensorDict, evaluated with one `torch.vmap` call), the targets, the three functions `leanrl.accelerate`
-compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor`), then the training loop.
+compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor`), then the learner. The loop that
+calls them is CleanRL's, shared with SAC: `leanrl.offpolicy.ActorCriticLoop`.
 Depends only on leanrl, torch and tensordict (torchrl's replay buffer through `leanrl.offpolicy`);
 environments are passed in (see `envs/`).
 
@@ -19,8 +20,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict, from_module, from_modules
 
 import leanrl
-from leanrl.offpolicy import (check_box_spaces, check_envs, check_replay_args, load_loop_state, log_step,
-                              loop_state, make_replay_buffer, make_twin_q, store)
+from leanrl.offpolicy import (ActorCriticLoop, check_box_spaces, check_envs, check_replay_args, load_loop_state,
+                              loop_state, make_twin_q)
 
 
 @dataclass
@@ -165,8 +166,10 @@ def make_update_actor(actor, q_value, q1_params, targets, online, optimizer, tau
 
 
 # ------------------------------------------------------------------------------------------- training
-class TD3:
+class TD3(ActorCriticLoop):
     """Actor, twin critic, targets, optimizers, replay buffer and the accelerated functions, built once."""
+
+    critic_metrics, actor_metrics = CRITIC_METRICS, ACTOR_METRICS
 
     def __init__(self, args: Args, envs, device, eval_envs=None):
         self.args, self.envs, self.eval_envs, self.device = args, envs, eval_envs, torch.device(device)
@@ -206,57 +209,10 @@ class TD3:
             make_update_actor(self.actor, self.q_value, self.q_params.data[0], self.targets, self.online,
                               self.actor_optimizer, args.tau), name="update_actor", **wrap)
 
-        self.rb = make_replay_buffer(args.buffer_size, args.batch_size, device)
-        self.obs = None
-        self.critic_out = self.actor_out = None  # the last update outputs, read at log boundaries
-        self.logged = {}  # the last values written to the log (set by leanrl.run)
-        self.global_step = self.iteration = 0
-        self.updates = 0  # critic updates by this process (compile and capture happen in the first few)
-        self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
-
-    def random_actions(self):
-        """Uniform in the action bounds, drawn with torch on the run's device."""
-        u = torch.rand(self.args.num_envs, self.action_dim, device=self.device)
-        return self.low + (self.high - self.low) * u
+        self.init_loop()
 
     def eval_policy(self, obs):
         return self.actor_inference(obs)
-
-    def reset(self, seed):
-        self.obs = self.envs.reset(seed=seed)
-
-    def train_iteration(self, logger):
-        args, n = self.args, self.args.num_envs
-        with torch.no_grad():
-            action = self.random_actions() if self.global_step < args.learning_starts else self.policy(self.obs)
-        out = self.envs.step(action)
-        store(self.rb, self.obs, action, out, out["final_obs"])
-        self.obs = out["next_obs"]
-        before, self.global_step = self.global_step, self.global_step + n
-        self.iteration += 1
-        if self.global_step - self.fill_start > args.learning_starts:
-            self.updates += 1
-            data = self.rb.sample()
-            self.critic_out = self.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
-                                                 data["terminated"])
-            if self.iteration % args.policy_frequency == 0:
-                self.actor_out = self.update_actor(data["obs"])
-        if self.updates == 3 * args.policy_frequency + 1:
-            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
-            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
-            logger.burn_in = logger.iterations + 1
-        log_step(self, logger, out, before, (CRITIC_METRICS, self.critic_out), (ACTOR_METRICS, self.actor_out))
-
-    def benchmark_calls(self):
-        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
-        B, obs_dim = self.args.batch_size, self.obs_dim
-        obs, next_obs = torch.randn(B, obs_dim, device=self.device), torch.randn(B, obs_dim, device=self.device)
-        actions = self.low + (self.high - self.low) * torch.rand(B, self.action_dim, device=self.device)
-        rewards, terminated = torch.randn(B, device=self.device), torch.zeros(B, dtype=torch.bool, device=self.device)
-        policy_obs = torch.randn(self.args.num_envs, obs_dim, device=self.device)
-        return {"policy": (self.policy, (policy_obs,)),
-                "update_critic": (self.update_critic, (obs, actions, rewards, next_obs, terminated)),
-                "update_actor": (self.update_actor, (obs,))}
 
     def state_dict(self):
         return dict(actor=self.actor.state_dict(), q_params=self.q_params.data.to_dict(),

@@ -1,6 +1,6 @@
 """What the off-policy algorithms (TD3, SAC, DQN) share: the checks on their common arguments, torchrl's replay
-buffer and its place in a checkpoint, the vmapped twin critic of TD3 and SAC, and a periodic deterministic
-evaluation on an env of its own. Each algorithm's own math stays in its file."""
+buffer and its place in a checkpoint, the vmapped twin critic and the training loop of TD3 and SAC, and a
+periodic deterministic evaluation on an env of its own. Each algorithm's own math stays in its file."""
 
 import sys
 
@@ -97,6 +97,70 @@ def log_step(algo, logger, out, before: int, *outputs):
     if algo.iteration % args.log_every == 0 or algo.iteration == algo.num_iterations:
         logger.record({k: v for names, values in outputs if values is not None
                        for k, v in zip(names, values.unbind())})
+
+
+class ActorCriticLoop:
+    """TD3's and SAC's loop, as CleanRL's: act uniformly at random until `learning_starts`, then with `policy`;
+    once the buffer holds `learning_starts` transitions, one critic update per vector step and, every
+    `policy_frequency` steps, `actor_updates` actor updates. A subclass builds `policy`, `update_critic`,
+    `update_actor`, `envs`, `low`, `high`, `obs_dim` and `action_dim`, then calls `init_loop`; its own math
+    lives in those functions, the names of what they return in `critic_metrics` and `actor_metrics`."""
+
+    actor_updates = 1  # per delayed actor step (SAC: policy_frequency, to compensate for the delay)
+    critic_metrics: tuple[str, ...]
+    actor_metrics: tuple[str, ...]
+
+    def init_loop(self):
+        self.rb = make_replay_buffer(self.args.buffer_size, self.args.batch_size, self.device)
+        self.obs = None
+        self.critic_out = self.actor_out = None  # the last update outputs, read at log boundaries
+        self.logged = {}  # the last values written to the log (set by leanrl.run)
+        self.global_step = self.iteration = 0
+        self.updates = 0  # critic updates by this process (compile and capture happen in the first few)
+        self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
+
+    def random_actions(self):
+        """Uniform in the action bounds, drawn with torch on the run's device."""
+        u = torch.rand(self.args.num_envs, self.action_dim, device=self.device)
+        return self.low + (self.high - self.low) * u
+
+    def reset(self, seed):
+        self.obs = self.envs.reset(seed=seed)
+
+    def train_iteration(self, logger):
+        args = self.args
+        with torch.no_grad():
+            action = self.random_actions() if self.global_step < args.learning_starts else self.policy(self.obs)
+        out = self.envs.step(action)
+        store(self.rb, self.obs, action, out, out["final_obs"])
+        self.obs = out["next_obs"]
+        before, self.global_step = self.global_step, self.global_step + args.num_envs
+        self.iteration += 1
+        if self.global_step - self.fill_start > args.learning_starts:
+            self.updates += 1
+            data = self.rb.sample()
+            self.critic_out = self.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
+                                                 data["terminated"])
+            if self.iteration % args.policy_frequency == 0:
+                for _ in range(self.actor_updates):
+                    self.actor_out = self.update_actor(data["obs"])
+        if self.updates == 3 * args.policy_frequency + 1:
+            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
+            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
+            logger.burn_in = logger.iterations + 1
+        log_step(self, logger, out, before, (self.critic_metrics, self.critic_out),
+                 (self.actor_metrics, self.actor_out))
+
+    def benchmark_calls(self):
+        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
+        B, device = self.args.batch_size, self.device
+        obs, next_obs = torch.randn(B, self.obs_dim, device=device), torch.randn(B, self.obs_dim, device=device)
+        actions = self.low + (self.high - self.low) * torch.rand(B, self.action_dim, device=device)
+        rewards, terminated = torch.randn(B, device=device), torch.zeros(B, dtype=torch.bool, device=device)
+        policy_obs = torch.randn(self.args.num_envs, self.obs_dim, device=device)
+        return {"policy": (self.policy, (policy_obs,)),
+                "update_critic": (self.update_critic, (obs, actions, rewards, next_obs, terminated)),
+                "update_actor": (self.update_actor, (obs,))}
 
 
 def loop_state(algo) -> dict:
