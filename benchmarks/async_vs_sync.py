@@ -93,10 +93,9 @@ def run_one(b: Bench, variant: str, seed: int) -> dict:
     make_envs = functools.partial(make_slow_env, "torch/CartPole-v1", 8, b.median_ms, b.sigma)
     run_dir = tempfile.mkdtemp(prefix="async_vs_sync_")
     control = variant == CONTROL
-    transport = "processes" if control else variant.removeprefix("async-")
+    transport = "processes" if control else variant.removeprefix("async-") if variant != "sync" else "threads"
     args = ppo.Args(**common, run_dir=run_dir, async_=variant != "sync", num_collectors=b.num_collectors,
-                    max_lag=0 if control else b.max_lag, correction=b.correction,
-                    transport=transport if variant != "sync" else "threads")
+                    max_lag=0 if control else b.max_lag, correction=b.correction, transport=transport)
     t0 = time.perf_counter()
     if variant == "sync":
         algo = ppo.train(args, make_envs(seed=seed), torch.device("cpu"))
