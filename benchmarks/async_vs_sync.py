@@ -26,8 +26,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from algorithms import ppo  # noqa: E402
-from envs import make_env  # noqa: E402
+from leanrl.algorithms import ppo  # noqa: E402
+from leanrl.envs import make_env  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402

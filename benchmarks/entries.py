@@ -51,20 +51,20 @@ class Scaling:
 # Off-policy entries start learning as soon as a batch is in the buffer (CleanRL waits 5k to 80k random
 # steps), so that the iterations measured after burn-in are learning iterations.
 ENTRIES = {
-    "ppo_cartpole": Entry("ppo_cartpole.py", "algorithms.ppo:PPO", quick=dict(num_steps=16, update_epochs=2)),
-    "dqn_cartpole": Entry("dqn_cartpole.py", "algorithms.dqn:DQN", overrides=dict(learning_starts=128),
+    "ppo_cartpole": Entry("ppo_cartpole.py", "leanrl.algorithms.ppo:PPO", quick=dict(num_steps=16, update_epochs=2)),
+    "dqn_cartpole": Entry("dqn_cartpole.py", "leanrl.algorithms.dqn:DQN", overrides=dict(learning_starts=128),
                           quick=dict(batch_size=32, learning_starts=32)),
-    "td3_continuous": Entry("td3_continuous.py", "algorithms.td3:TD3", env_fn="make",
+    "td3_continuous": Entry("td3_continuous.py", "leanrl.algorithms.td3:TD3", env_fn="make",
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
-    "sac_continuous": Entry("sac_continuous.py", "algorithms.sac:SAC", env_fn="make",
+    "sac_continuous": Entry("sac_continuous.py", "leanrl.algorithms.sac:SAC", env_fn="make",
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
-    "ppo_atari": Entry("ppo_atari.py", "algorithms.ppo:PPO", env_args=("sticky_actions",),
+    "ppo_atari": Entry("ppo_atari.py", "leanrl.algorithms.ppo:PPO", env_args=("sticky_actions",),
                        quick=dict(num_envs=2, num_steps=16)),
     # 1e6 stacked Atari frames are 35 GB: a smaller buffer changes the memory, not the time of a step.
-    "dqn_atari": Entry("dqn_atari.py", "algorithms.dqn:DQN", env_args=("sticky_actions",),
+    "dqn_atari": Entry("dqn_atari.py", "leanrl.algorithms.dqn:DQN", env_args=("sticky_actions",),
                        overrides=dict(learning_starts=32, buffer_size=50_000), quick=dict(buffer_size=1_000)),
     # Its compile is the longest: `gae` unrolls a 2048-step loop.
-    "ppo_continuous": Entry("ppo_continuous.py", "algorithms.ppo:PPO", env_args=("gamma",),
+    "ppo_continuous": Entry("ppo_continuous.py", "leanrl.algorithms.ppo:PPO", env_args=("gamma",),
                             quick=dict(num_steps=64, num_minibatches=2, update_epochs=2)),
 }
 
@@ -106,7 +106,7 @@ def make_args(name: str, quick: bool, **overrides):
 def build(name: str, mode: str, device, quick: bool, **overrides):
     """(algorithm, envs, args) as the script builds them, in `mode`, seeded, reset."""
     import leanrl
-    from envs import make_env
+    from leanrl.envs import make_env
 
     entry = ENTRIES[name]
     compile, cudagraphs = MODES[mode]

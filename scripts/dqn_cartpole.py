@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from algorithms import dqn
-from envs import make_env
+from leanrl.algorithms import dqn
+from leanrl.envs import make_env
 from leanrl import resolve_device
 
 

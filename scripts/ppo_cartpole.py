@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from algorithms import ppo
-from envs import make_env
+from leanrl.algorithms import ppo
+from leanrl.envs import make_env
 from leanrl import resolve_device
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from algorithms import sac
-from envs import make_env
+from leanrl.algorithms import sac
+from leanrl.envs import make_env
 from leanrl import resolve_device
 
 

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from algorithms import ppo
-from envs import make_env
+from leanrl.algorithms import ppo
+from leanrl.envs import make_env
 from leanrl import pipeline
 from leanrl.pipeline.weights import WeightRing
 

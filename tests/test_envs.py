@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from envs import make_env
+from leanrl.envs import make_env
 
 
 def _gym_env(env_id):
@@ -210,7 +210,7 @@ def test_missing_optional_dependency_names_the_extra():
     code = """
 import sys
 sys.modules["ale_py"] = sys.modules["mujoco"] = None  # as if not installed
-from envs import make_env
+from leanrl.envs import make_env
 for env_id, extra in (("ALE/Breakout-v5", ".[atari]"), ("HalfCheetah-v5", ".[mujoco]")):
     try:
         make_env(env_id, 1)

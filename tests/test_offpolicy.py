@@ -10,8 +10,8 @@ from tensordict import TensorDict
 from torch.distributions import Normal
 
 import leanrl
-from algorithms import dqn, sac, td3
-from envs import make_env
+from leanrl.algorithms import dqn, sac, td3
+from leanrl.envs import make_env
 from leanrl.offpolicy import evaluate, load_replay_state_dict, make_replay_buffer, make_twin_q, replay_state_dict
 
 BOX3 = gym.spaces.Box(-1, 1, (3,), np.float32)

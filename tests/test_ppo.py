@@ -7,8 +7,8 @@ import torch._inductor.config
 from torch.distributions import Categorical, Normal
 
 import leanrl
-from algorithms import ppo
-from envs import make_env
+from leanrl.algorithms import ppo
+from leanrl.envs import make_env
 
 BOX4 = gym.spaces.Box(-1, 1, (4,))
 

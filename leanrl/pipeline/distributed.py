@@ -100,6 +100,7 @@ class DistCollector:
         self.rank = dist.get_rank() - 1
         self.num_collectors, self.max_lag, self.deterministic = num_collectors, max_lag, deterministic
         self.version, self.stopped = -1, threading.Event()
+        self.min_version = 0  # the oldest version the batch being filled may hold (ticket - max_lag)
         self.received = OrderedDict()  # version -> flat weights, the newest max_lag + 2
         self.lock = threading.Lock()
         self.t_start, self.idle = time.perf_counter(), 0.0
@@ -154,7 +155,7 @@ class DistCollector:
         j = 0
         while True:
             g = self.rank + j * self.num_collectors
-            want = max(g - self.max_lag, 0)
+            want = self.min_version = max(g - self.max_lag, 0)
             if self.deterministic:
                 self._wait(lambda: want in self.received)
                 self._load(want)

@@ -29,6 +29,7 @@ class Collector:
         (self.num_collectors, self.max_lag, self.deterministic, self.ring, self.slots, self.tickets,
          self.ticket_lock, self.messages, self.stats, self.parent) = shared
         self.version = -1
+        self.min_version = 0  # the oldest version the batch being filled may hold (ticket - max_lag)
         self.params = None
         self.t_start, self.idle = time.perf_counter(), 0.0
 
@@ -65,6 +66,7 @@ class Collector:
         self._j = 0
         while True:
             g = self._take_ticket()
+            self.min_version = max(g - self.max_lag, 0)
             self.version = self._read(max(g - self.max_lag, 0) if self.deterministic else None)
             batch = self.slots[self.rank][self._j % self.slots[self.rank].shape[0]]
             yield batch
