@@ -128,9 +128,14 @@ def named_model_dir(name: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    # The weights are de-quantized to float32 at load; only the GGUF marker forbids saving them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model directory
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
