@@ -1,0 +1,391 @@
+"""The built-in LLM sampler: a fixed number of slots over a static KV cache, continuous batching, in-flight
+weight updates, the log-prob and policy version of every sampled token.
+
+The decode step is one function of fixed shapes ([slots] tokens in, a [layers, slots, kv_heads, max_len,
+head_dim] cache updated in place, [slots] tokens out) that `leanrl.accelerate` compiles and, on CUDA, captures
+in a CUDA graph. It reads the weights of the transformers model itself (no copy), so copying new values into
+`sampler.params` in place is a weight update that a captured graph sees.
+
+Decoding a sequence: the prompt's tokens go into a slot's cache (prefill, one slot at a time, padded to a fixed
+length); the decode step then feeds the last prompt token and samples the first completion token, so every
+completion token (the first included) is sampled, scored and version-tagged in the same compiled step.
+"""
+
+import time
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict, from_module
+
+from leanrl.acceleration import accelerate
+from leanrl.llm.models import FAMILIES
+
+
+class _Group:
+    """One prompt and its G completions; `done[j]` is member j's finished record."""
+
+    def __init__(self, order, prompt_id, tokens, group_size):
+        self.order, self.prompt_id, self.tokens, self.done = order, prompt_id, tokens, [None] * group_size
+
+
+class Sampler:
+    def __init__(self, model, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
+                 temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, compile=False, cudagraphs=False,
+                 max_prompt_len: int | None = None, seed: int = 0):
+        """`max_prompt_len` (default `max_len - 1`): the fixed length prompts are padded to for prefill; a shorter
+        one makes prefill cheaper when prompts are short. `seed`: the sampler's own random generator (the noise
+        of the Gumbel-max draw), so sampling does not depend on other users of torch's global generator."""
+        config = model.config
+        self.family = config.model_type
+        if self.family not in FAMILIES:
+            raise ValueError(f"model: model_type {self.family!r} is not supported (supported: {FAMILIES})")
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+            raise ValueError(f"model: layer_types {config.layer_types}: only full attention is supported")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {config.hidden_act!r}: only silu is supported")
+        vocab = config.vocab_size
+        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if value is None or not 0 <= value < vocab:
+                raise ValueError(f"{name}={value}: must be a token id of the model's vocabulary [0, {vocab})")
+        max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
+        if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
+            raise ValueError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
+                             "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
+        if not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
+        self.num_slots, self.max_len, self.max_prompt_len = num_slots, max_len, max_prompt_len
+        self.eos_token_id, self.pad_token_id, self.vocab_size = eos_token_id, pad_token_id, vocab
+        self.temperature, self.top_p, self.top_k, self.recompute_kv = temperature, top_p, top_k, recompute_kv
+
+        # The weights: aliases of the model's own tensors (same storage), never copies.
+        self.params = from_module(model).data
+        base = model.model
+        self.embed, self.norm, self.lm_head = base.embed_tokens.weight.data, base.norm.weight.data, model.lm_head.weight.data
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            w = {n: getattr(attn, n).weight.data for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            w.update({n + "_bias": getattr(attn, n).bias.data for n in ("q_proj", "k_proj", "v_proj")
+                      if getattr(attn, n).bias is not None})
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's query and key
+                w.update(q_norm=attn.q_norm.weight.data, k_norm=attn.k_norm.weight.data)
+            w.update(ln1=layer.input_layernorm.weight.data, ln2=layer.post_attention_layernorm.weight.data,
+                     gate=mlp.gate_proj.weight.data, up=mlp.up_proj.weight.data, down=mlp.down_proj.weight.data)
+            self.layers.append(w)
+        self.eps = config.rms_norm_eps
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        rotary = base.rotary_emb  # its inv_freq and scaling cover every static RoPE variant of these families
+        self.inv_freq, self.rope_scale = rotary.inv_freq.detach().float(), float(rotary.attention_scaling)
+
+        # Static buffers: every step reads and writes these in place, so a captured graph stays valid.
+        device, dtype = self.embed.device, self.embed.dtype
+        self.device = device
+        S, L = num_slots, max_len
+        self.k_cache = torch.zeros(len(self.layers), S, self.num_kv_heads, L, self.head_dim, device=device, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.pos = torch.zeros(S, dtype=torch.long, device=device)  # cache position of the token fed next
+        self.last = torch.zeros(S, dtype=torch.long, device=device)  # the token fed next
+        self.active = torch.zeros(S, dtype=torch.bool, device=device)
+        self.ended = torch.zeros(S, dtype=torch.long, device=device)  # 0 running, 1 EOS, 2 cut at max_len
+        self.seq_tokens = torch.full((S, L), pad_token_id, dtype=torch.long, device=device)
+        self.seq_logprobs = torch.zeros(S, L, dtype=torch.float32, device=device)
+        self.seq_version = torch.zeros(S, L, dtype=torch.long, device=device)
+        self.version = torch.zeros((), dtype=torch.long, device=device)
+        self.noise = torch.ones(S, vocab, dtype=torch.float32, device=device)
+        self.slot_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._arange_s = torch.arange(S, device=device)
+        self._arange_l = torch.arange(L, device=device)
+
+        acc = dict(compile=compile, cudagraphs=cudagraphs, device=device)
+        self._decode = accelerate(self.decode_step, name="decode_step", **acc)
+        self._prefill_prompt = accelerate(self._prefill_fn(max_prompt_len), name="prefill", **acc)
+        self._prefill_all = (self._prefill_prompt if max_prompt_len == max_len - 1 else
+                             accelerate(self._prefill_fn(max_len - 1), name="prefill_all", **acc))
+
+        # Host-side scheduling state (Python ints only: no device reads besides `done`, once per step).
+        self._slot = [None] * S  # per slot: [group, member, prompt_length, generated, first_version]
+        self._queue = deque()  # (group, member) waiting for a slot
+        self._ready = []  # complete groups not yet in a batch (carry_over)
+        self._order = 0
+        self._version_now = None
+
+    # ---- the model (the same math as transformers' Llama / Qwen2 / Qwen3 forward) ----
+
+    def _rms(self, x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rope(self, positions):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(self.embed.dtype), (emb.sin() * self.rope_scale).to(self.embed.dtype)
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def _qkv(self, w, h, cos, sin):
+        """h [N, hidden] -> q [N, heads, hd], k and v [N, kv_heads, hd], RoPE applied."""
+        n = h.shape[0]
+        q = F.linear(h, w["q_proj"], w.get("q_proj_bias")).view(n, self.num_heads, self.head_dim)
+        k = F.linear(h, w["k_proj"], w.get("k_proj_bias")).view(n, self.num_kv_heads, self.head_dim)
+        v = F.linear(h, w["v_proj"], w.get("v_proj_bias")).view(n, self.num_kv_heads, self.head_dim)
+        if "q_norm" in w:
+            q, k = self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])
+        cos, sin = cos[:, None], sin[:, None]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
+
+    def _attend(self, q, keys, values, mask):
+        """q [N, heads, hd] against keys/values [N, kv_heads, T, hd] (one cache row per query) or [kv_heads, T,
+        hd] (one sequence, prefill); mask [N, T] (True = visible)."""
+        n, g = q.shape[0], self.num_heads // self.num_kv_heads
+        q = q.view(n, self.num_kv_heads, g, self.head_dim)  # query head i reads kv head i // g (repeat_kv)
+        kv = "nktd" if keys.dim() == 4 else "ktd"
+        scores = torch.einsum(f"nkgd,{kv}->nkgt", q, keys) * self.head_dim ** -0.5
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum(f"nkgt,{kv}->nkgd", probs, values).reshape(n, self.num_heads * self.head_dim)
+
+    def _mlp_residual(self, w, x, attn):
+        x = x + F.linear(attn, w["o_proj"])
+        h = self._rms(x, w["ln2"])
+        return x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+
+    def _prefill_fn(self, length):
+        def prefill(slot):
+            """Write the cache of positions [0, length) of `slot` from its token row (causal attention)."""
+            tokens = self.seq_tokens.index_select(0, slot)[0, :length]
+            positions = self._arange_l[:length]
+            cos, sin = self._rope(positions)
+            causal = positions[None, :] <= positions[:, None]
+            x = self.embed[tokens]
+            for i, w in enumerate(self.layers):
+                q, k, v = self._qkv(w, self._rms(x, w["ln1"]), cos, sin)
+                k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, length, hd]
+                self.k_cache[i, :, :, :length].index_copy_(0, slot, k[None])
+                self.v_cache[i, :, :, :length].index_copy_(0, slot, v[None])
+                x = self._mlp_residual(w, x, self._attend(q, k, v, causal))
+        return prefill
+
+    def logits(self, tokens, positions):
+        """Logits of one token per slot at its position, writing its key/value into the cache."""
+        S = self.num_slots
+        cos, sin = self._rope(positions)
+        visible = self._arange_l[None, :] <= positions[:, None]  # never the earlier occupants' entries
+        x = self.embed[tokens]
+        for i, w in enumerate(self.layers):
+            q, k, v = self._qkv(w, self._rms(x, w["ln1"]), cos, sin)
+            self.k_cache[i, self._arange_s, :, positions] = k  # in place: the graph's buffers stay put
+            self.v_cache[i, self._arange_s, :, positions] = v
+            x = self._mlp_residual(w, x, self._attend(q, self.k_cache[i], self.v_cache[i], visible))
+        return F.linear(self._rms(x, self.norm), self.lm_head).float().view(S, -1)
+
+    # ---- the decode step (compiled; CUDA-graphed on CUDA: no arguments, no outputs, buffers only) ----
+
+    def decode_step(self):
+        logits = self.logits(self.last, self.pos) / self.temperature
+        logprobs = logits.log_softmax(-1)  # over the full vocabulary: top-k/top-p restrict sampling only
+        filtered = logits
+        if self.top_k > 0:
+            kth = filtered.topk(min(self.top_k, self.vocab_size), dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if self.top_p < 1:
+            sorted_logits, order = filtered.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs > self.top_p  # keep the smallest prefix reaching top_p
+            filtered = filtered.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        # Gumbel-max as an exponential race: argmax p_i / E_i, E_i ~ Exp(1) drawn outside the step into a buffer.
+        token = (filtered - self.noise.log()).argmax(-1)
+        at = (self.pos + 1).clamp(max=self.max_len - 1)
+        keep = ~self.active
+        self.seq_tokens[self._arange_s, at] = torch.where(keep, self.seq_tokens[self._arange_s, at], token)
+        self.seq_logprobs[self._arange_s, at] = logprobs.gather(1, token[:, None])[:, 0]
+        self.seq_version[self._arange_s, at] = self.version
+        ended = torch.where(token == self.eos_token_id, 1, torch.where(at == self.max_len - 1, 2, 0))
+        self.ended.copy_(ended * self.active)
+        self.last.copy_(torch.where(keep, self.last, token))
+        self.pos.add_(self.active.long())
+
+    # ---- scheduling (host) ----
+
+    def make_batch(self, num_sequences: int) -> TensorDict:
+        B, L, d = num_sequences, self.max_len, self.device
+        return TensorDict(
+            tokens=torch.full((B, L), self.pad_token_id, dtype=torch.long, device=d),
+            prompt_length=torch.zeros(B, dtype=torch.long, device=d),
+            completion_length=torch.zeros(B, dtype=torch.long, device=d),
+            prompt_id=torch.zeros(B, dtype=torch.long, device=d),
+            completion_mask=torch.zeros(B, L, dtype=torch.bool, device=d),
+            logprobs=torch.zeros(B, L, dtype=torch.float32, device=d),
+            version=torch.zeros(B, L, dtype=torch.long, device=d),
+            finished=torch.zeros(B, dtype=torch.bool, device=d),
+            batch_size=[B], device=d)
+
+    def _check_prompt(self, prompt_id, tokens):
+        if not 1 <= len(tokens) <= self.max_prompt_len:
+            raise ValueError(f"prompt_id {prompt_id}: {len(tokens)} tokens; a prompt needs 1 to "
+                             f"{self.max_prompt_len} tokens (max_len={self.max_len} holds prompt + completion)")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"prompt_id {prompt_id}: token ids outside the model's vocabulary [0, {self.vocab_size})"
+                             " (vocabulary mismatch between tokenizer and model?)")
+
+    def _start(self, s, group, member, version):
+        """Put a queued sequence into free slot s: its token row, then the prefill of its cache."""
+        P = len(group.tokens)
+        row = torch.full((self.max_len,), self.pad_token_id, dtype=torch.long)
+        row[:P] = torch.tensor(group.tokens)
+        self.seq_tokens[s].copy_(row)
+        self.slot_index.fill_(s)
+        self._prefill_prompt(self.slot_index)
+        self.pos[s] = P - 1
+        self.last[s] = group.tokens[-1]
+        self.active[s] = True
+        self._slot[s] = [group, member, P, 0, None]
+
+    def _release(self, s):
+        self.active[s] = False
+        self.pos[s] = 0
+        self._slot[s] = None
+
+    def _finish(self, s, finished, min_version):
+        """Slot s ended: keep its record in its group (or restart it if too stale); the group may complete."""
+        group, member, P, C, v0 = self._slot[s]
+        record = (self.seq_tokens[s].clone(), self.seq_logprobs[s].clone(), self.seq_version[s].clone(), P, C,
+                  finished, v0)
+        self._release(s)
+        if v0 < min_version:  # too stale already: restart now rather than after the rest of its group
+            self._queue.appendleft((group, member))
+            return 1
+        group.done[member] = record
+        return self._complete(group, min_version)
+
+    def _complete(self, group, min_version):
+        """If every member of `group` is done, restart the stale ones (-> count) or mark the group ready."""
+        if any(r is None for r in group.done):
+            return 0
+        stale = [j for j, r in enumerate(group.done) if r[6] < min_version]
+        for j in stale:
+            group.done[j] = None
+            self._queue.appendleft((group, j))
+        if not stale:
+            self._ready.append(group)
+        return len(stale)
+
+    def fill(self, batch, prompts, *, group_size: int, step_boundary=lambda: 0, min_version=0,
+             carry_over=True) -> dict:
+        """Fill `batch` with complete groups of `group_size` completions; see the module docstring and
+        `/tmp/briefs/sampler_contract.md` semantics: continuous batching, in-flight updates, min_version drops."""
+        B = batch.batch_size[0]
+        if group_size < 1 or B % group_size:
+            raise ValueError(f"batch of {B} sequences is not divisible by group_size={group_size}")
+        if batch["tokens"].shape[1] != self.max_len:
+            raise ValueError(f"batch: tokens of length {batch['tokens'].shape[1]}, the sampler's max_len is "
+                             f"{self.max_len} (make it with sampler.make_batch)")
+        need = B // group_size
+        prompts = iter(prompts)
+        t0 = time.perf_counter()
+        stats = dict(sampled_tokens=0, decode_steps=0, dropped=0, busy=0, prefills=0, recomputes=0)
+
+        # Carried over from the previous call: restart what the new min_version forbids.
+        for s, slot in enumerate(self._slot):
+            if slot is not None and slot[4] is not None and slot[4] < min_version:
+                self._queue.appendleft((slot[0], slot[1]))
+                self._release(s)
+                stats["dropped"] += 1
+        for group in self._ready[:]:
+            self._ready.remove(group)
+            stats["dropped"] += self._complete(group, min_version)
+        in_flight = {id(g): g for g, _ in self._queue}
+        in_flight.update({id(s[0]): s[0] for s in self._slot if s is not None})
+        # carry_over=False admits only the groups this batch takes, so nothing outlives the call.
+        admit = None if carry_over else need - len(self._ready) - len(in_flight)
+        exhausted = False
+
+        while len(self._ready) < need:
+            version = step_boundary()
+            changed = self._version_now is not None and version != self._version_now
+            self._version_now = version
+            if changed and self.recompute_kv:  # AReaL: the running sequences' cache under the new weights
+                for s, slot in enumerate(self._slot):
+                    if slot is not None:
+                        self.slot_index.fill_(s)
+                        self._prefill_all(self.slot_index)
+                        stats["recomputes"] += 1
+            for s in range(self.num_slots):
+                if self._slot[s] is not None:
+                    continue
+                if not self._queue and not exhausted and (admit is None or admit > 0):
+                    try:
+                        prompt_id, tokens = next(prompts)
+                    except StopIteration:
+                        exhausted = True
+                    else:
+                        tokens = list(tokens)
+                        self._check_prompt(prompt_id, tokens)
+                        group = _Group(self._order, prompt_id, tokens, group_size)
+                        self._order += 1
+                        self._queue.extend((group, j) for j in range(group_size))
+                        admit = None if admit is None else admit - 1
+                if not self._queue:
+                    break
+                self._start(s, *self._queue.popleft(), version)
+                stats["prefills"] += 1
+            busy = [s for s in range(self.num_slots) if self._slot[s] is not None]
+            if not busy:
+                break  # prompts ran out: the batch keeps fewer groups (stats["groups"])
+            for s in busy:
+                if self._slot[s][4] is None:
+                    self._slot[s][4] = version
+            self.version.fill_(version)
+            self.noise.exponential_(generator=self.generator)
+            self._decode()
+            stats["decode_steps"] += 1
+            stats["busy"] += len(busy)
+            # The scheduling boundary: the one device read of a step (which slots just ended).
+            ended = self.ended.tolist()
+            for s in busy:
+                self._slot[s][3] += 1
+                if ended[s]:
+                    stats["dropped"] += self._finish(s, ended[s] == 1, min_version)
+        stats["sampled_tokens"] = stats["busy"]
+
+        groups = self._ready[:need]
+        del self._ready[:need]
+        if not carry_over:
+            groups.sort(key=lambda g: g.order)
+        self._write(batch, groups, group_size)
+        steps = max(stats["decode_steps"], 1)
+        return dict(sampled_tokens=float(stats["sampled_tokens"]), decode_steps=float(stats["decode_steps"]),
+                    dropped=float(stats["dropped"]), slot_utilization=stats["busy"] / (steps * self.num_slots),
+                    time_s=time.perf_counter() - t0, groups=float(len(groups)), prefills=float(stats["prefills"]),
+                    recomputes=float(stats["recomputes"]))
+
+    def _write(self, batch, groups, group_size):
+        """Rows [k*G, (k+1)*G) <- the members of groups[k]; rows past the last group are reset."""
+        records = [r for g in groups for r in g.done]
+        n, d = len(records), self.device
+        batch["tokens"].fill_(self.pad_token_id)
+        for key in ("prompt_length", "completion_length", "prompt_id", "completion_mask", "logprobs", "version",
+                    "finished"):
+            batch[key].zero_()
+        if not n:
+            return
+        P = torch.tensor([r[3] for r in records], device=d)
+        C = torch.tensor([r[4] for r in records], device=d)
+        v0 = torch.tensor([r[6] for r in records], device=d)
+        mask = (self._arange_l >= P[:, None]) & (self._arange_l < (P + C)[:, None])
+        batch["tokens"][:n] = torch.stack([r[0] for r in records])
+        batch["logprobs"][:n] = torch.where(mask, torch.stack([r[1] for r in records]), 0.0)
+        batch["version"][:n] = torch.where(mask, torch.stack([r[2] for r in records]), v0[:, None])
+        batch["completion_mask"][:n] = mask
+        batch["prompt_length"][:n] = P
+        batch["completion_length"][:n] = C
+        batch["prompt_id"][:n] = torch.tensor([g.prompt_id for g in groups for _ in range(group_size)], device=d)
+        batch["finished"][:n] = torch.tensor([r[5] for r in records], device=d)
