@@ -61,3 +61,255 @@ def test_load_model_errors(tokenizer, tmp_path):
     json.dump(tc, open(os.path.join(d, "tokenizer_config.json"), "w"))
     with pytest.raises(ValueError, match="no EOS token"):
         load_model(d)
+
+
+# ---- the sampler ----
+
+from leanrl.llm import Sampler  # noqa: E402
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+PROMPTS = ["1+1=", "22+3=", "a", "bb\n", "9*9=", "ccc", "12-7=", "j"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # On a loaded 2-core machine two OpenMP threads per op make small matmuls ~100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer, tmp_path_factory):
+    """family -> (model, tokenizer): tiny models (head_dim 32) with perturbed weights, so norms and biases
+    are not their trivial initial values."""
+    out = {}
+    for family in FAMILIES:
+        d = save_tiny_model(tmp_path_factory.mktemp(family), tokenizer, family=family, hidden_size=128, seed=1)
+        model, tok = load_model(d)
+        with torch.no_grad():
+            torch.manual_seed(2)
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        out[family] = (model.requires_grad_(False), tok)
+    return out
+
+
+def make_sampler(model, tok, **kwargs):
+    kwargs = {"num_slots": 3, "max_len": 20, **kwargs}
+    return Sampler(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kwargs)
+
+
+def prompts_of(tok, texts=PROMPTS):
+    return [(i, tok(s).input_ids) for i, s in enumerate(texts)]
+
+
+def rows(batch):
+    """Per row: (prompt_id, the sequence's tokens, prompt length, completion length)."""
+    out = []
+    for r in range(batch.batch_size[0]):
+        P, C = batch["prompt_length"][r].item(), batch["completion_length"][r].item()
+        out.append((batch["prompt_id"][r].item(), batch["tokens"][r, :P + C], P, C))
+    return out
+
+
+def reference_logprobs(model, seq, P, temperature=1.0):
+    logits = model(seq[None]).logits[0].float() / temperature
+    return logits.log_softmax(-1)[torch.arange(P - 1, len(seq) - 1), seq[P:]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_equals_transformers(models, family):
+    """Prefill, then the decode step's forward fed one token at a time (teacher forcing), against the
+    transformers forward over the whole sequence."""
+    model, tok = models[family]
+    sampler = make_sampler(model, tok, num_slots=3, max_len=24)
+    seq = torch.tensor(tok("12+34=46 abc\n9*9=81").input_ids)
+    reference = model(seq[None]).logits[0]
+    P, slot = 5, 1
+    sampler.seq_tokens[slot, :P] = seq[:P]
+    sampler.slot_index.fill_(slot)
+    sampler._prefill_prompt(sampler.slot_index)
+    for p in range(P - 1, len(seq)):
+        last, pos = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+        last[slot], pos[slot] = seq[p], p
+        torch.testing.assert_close(sampler.logits(last, pos)[slot], reference[p], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_generate_and_logprobs_equal_forward(models, family):
+    model, tok = models[family]
+    sampler = make_sampler(model, tok, top_k=1, temperature=0.7)
+    batch = sampler.make_batch(len(PROMPTS))
+    prompts = prompts_of(tok)
+    stats = sampler.fill(batch, iter(prompts), group_size=1, carry_over=False)
+    assert stats["groups"] == len(PROMPTS) and stats["sampled_tokens"] == batch["completion_length"].sum().item()
+    assert sorted(batch["prompt_id"].tolist()) == list(range(len(PROMPTS)))
+    for pid, seq, P, C in rows(batch):
+        generated = model.generate(torch.tensor([prompts[pid][1]]), max_new_tokens=sampler.max_len - P,
+                                   do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert seq.tolist() == generated[0].tolist()
+        r = pid  # carry_over=False keeps the order in which prompts were pulled
+        torch.testing.assert_close(batch["logprobs"][r, P:P + C], reference_logprobs(model, seq, P, 0.7),
+                                   atol=1e-4, rtol=0)
+
+
+def test_sampled_logprobs_and_batch_layout(models):
+    model, tok = models["qwen3"]
+    sampler = make_sampler(model, tok, temperature=0.8, top_p=0.9, top_k=12, seed=3)
+    batch = sampler.make_batch(12)
+    step = iter(range(1000))
+    sampler.fill(batch, iter(prompts_of(tok)), group_size=3, step_boundary=lambda: next(step) // 10,
+                 carry_over=False)
+    L = sampler.max_len
+    for r, (pid, seq, P, C) in enumerate(rows(batch)):
+        assert pid == r // 3 and C >= 1 and P + C <= L
+        mask = batch["completion_mask"][r]
+        assert mask.sum().item() == C and mask[P:P + C].all()
+        assert (batch["tokens"][r, P + C:] == tok.pad_token_id).all()
+        assert (batch["logprobs"][r][~mask] == 0).all()
+        assert batch["finished"][r].item() == (seq[-1].item() == tok.eos_token_id and
+                                               (tok.eos_token_id not in seq[P:-1].tolist()))
+        version = batch["version"][r]
+        assert (version[~mask] == version[P]).all() and (version[P:P + C].diff() >= 0).all()
+        torch.testing.assert_close(batch["logprobs"][r, P:P + C], reference_logprobs(model, seq, P, 0.8),
+                                   atol=1e-4, rtol=0)
+
+
+def test_compiled_decode_equals_eager(models):
+    """Same seed, same tokens; with an in-flight update at the 6th step, so the compiled step is also shown to
+    read the weights' current values (not constants baked in at compile time)."""
+    from tensordict import from_module
+
+    old, tok = models["qwen2"]
+    new = from_module(_perturbed(old, seed=7)).data
+    batches = []
+    for compile in (False, True):
+        served = _perturbed(old, seed=0)
+        served.load_state_dict(old.state_dict())
+        sampler = make_sampler(served, tok, temperature=0.9, top_p=0.95, top_k=8, seed=5, compile=compile)
+        steps = []
+
+        def step_boundary():
+            steps.append(None)
+            if len(steps) == 6:
+                sampler.params.update_(new)
+            return int(len(steps) >= 6)
+
+        batch = sampler.make_batch(8)
+        sampler.fill(batch, iter(prompts_of(tok)), group_size=2, step_boundary=step_boundary, carry_over=False)
+        batches.append(batch)
+    eager, compiled = batches
+    assert torch.equal(eager["tokens"], compiled["tokens"])
+    assert torch.equal(eager["completion_mask"], compiled["completion_mask"])
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_refilled_slot_never_sees_its_previous_occupant(models):
+    """2 slots, 8 prompts of different lengths: every slot is refilled several times; each sequence equals a
+    solo run of its prompt in a fresh 1-slot sampler."""
+    model, tok = models["llama"]
+    texts = ["1+1=2+3=4+5=", "a", "22+3=", "b", "9*9=81*", "cc", "12-7=", "j"]
+    prompts = prompts_of(tok, texts)
+    sampler = make_sampler(model, tok, num_slots=2, max_len=16, top_k=1)
+    batch = sampler.make_batch(len(texts))
+    stats = sampler.fill(batch, iter(prompts), group_size=1, carry_over=False)
+    assert stats["prefills"] == len(texts)
+    for pid, seq, P, C in rows(batch):
+        solo = make_sampler(model, tok, num_slots=1, max_len=16, top_k=1)
+        one = solo.make_batch(1)
+        solo.fill(one, iter([prompts[pid]]), group_size=1)
+        assert seq.tolist() == rows(one)[0][1].tolist()
+
+
+def _perturbed(model, seed):
+    new = type(model)(model.config)
+    new.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return new.requires_grad_(False).eval()
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_in_flight_update(models, recompute_kv):
+    """Greedy, 2 prompts in 2 slots; after 3 decode steps step_boundary copies new weights into sampler.params
+    in place. The tokens before are the old model's, the ones after are the new model's continuation: over
+    the old prompt/token KV (kept) or over a cache recomputed with the new weights (AReaL)."""
+    from tensordict import from_module
+    from transformers import DynamicCache
+
+    old, tok = models["qwen2"]
+    new = _perturbed(old, seed=7)
+    served = _perturbed(old, seed=0)
+    served.load_state_dict(old.state_dict())
+    sampler = make_sampler(served, tok, num_slots=2, max_len=18, top_k=1, recompute_kv=recompute_kv)
+    new_params = from_module(new).data
+    steps = []
+
+    def step_boundary():
+        steps.append(len(steps))
+        if len(steps) == 4:  # before the 4th decode step
+            sampler.params.update_(new_params)
+        return 0 if len(steps) < 4 else 1
+
+    prompts = prompts_of(tok, ["1+1=", "a"])
+    batch = sampler.make_batch(2)
+    sampler.fill(batch, iter(prompts), group_size=1, step_boundary=step_boundary, carry_over=False)
+    for pid, seq, P, C in rows(batch):
+        r = pid
+        version = batch["version"][r, P:P + C]
+        assert version.tolist() == [0] * 3 + [1] * (C - 3)
+        # reference: the old model for 3 tokens, then the new one (incremental with the old cache, or fresh)
+        ids = torch.tensor([prompts[pid][1]])
+        cache = DynamicCache(config=old.config)
+        logits = old(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        ref_tokens, ref_logprobs = [], []
+        for t in range(C):
+            token = logits.argmax()
+            ref_tokens.append(token.item())
+            ref_logprobs.append(logits.float().log_softmax(-1)[token])
+            if token.item() == tok.eos_token_id:
+                break
+            current = old if t + 1 < 3 else new
+            if recompute_kv and t + 1 >= 3:  # the whole sequence through the new weights
+                full = torch.cat([ids[0], torch.tensor(ref_tokens)])[None]
+                logits = new(full).logits[0, -1]
+            else:
+                logits = current(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1]
+        assert seq[P:].tolist() == ref_tokens[:C]
+        torch.testing.assert_close(batch["logprobs"][r, P:P + C], torch.stack(ref_logprobs[:C]), atol=1e-4,
+                                   rtol=0)
+
+
+def test_carry_over_and_min_version_drops(models):
+    model, tok = models["qwen3"]
+    sampler = make_sampler(model, tok, num_slots=4, max_len=14, seed=1)
+    prompts = iter(prompts_of(tok, PROMPTS * 4))
+    batch = sampler.make_batch(4)
+    stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: 0, carry_over=True)
+    running = sum(s is not None for s in sampler._slot)
+    assert stats["groups"] == 2 and running > 0  # the other slots carry on into the next call
+    stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: 1, min_version=1, carry_over=True)
+    assert stats["dropped"] >= running and batch["version"].min().item() == 1
+    stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: 1, min_version=1, carry_over=False)
+    assert stats["groups"] == 2 and all(s is None for s in sampler._slot) and not sampler._queue
+
+
+def test_bad_input_raises_before_any_compile(models, tokenizer):
+    from torch._dynamo.utils import counters
+
+    model, tok = models["qwen2"]
+    before = dict(counters["frames"])
+    sampler = make_sampler(model, tok, max_len=8, compile=True)
+    with pytest.raises(ValueError, match="not divisible by group_size=3"):
+        sampler.fill(sampler.make_batch(4), iter(prompts_of(tok)), group_size=3)
+    with pytest.raises(ValueError, match="prompt_id 0: 8 tokens"):
+        sampler.fill(sampler.make_batch(2), iter([(0, [5] * 8)]), group_size=1)
+    with pytest.raises(ValueError, match="prompt_id 4: token ids outside"):
+        sampler.fill(sampler.make_batch(2), iter([(4, [5, len(tokenizer) + 3])]), group_size=1)
+    with pytest.raises(ValueError, match="eos_token_id=99"):
+        Sampler(model, num_slots=2, max_len=8, eos_token_id=99, pad_token_id=0, compile=True)
+    assert dict(counters["frames"]) == before

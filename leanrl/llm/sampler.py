@@ -102,6 +102,10 @@ class Sampler:
         self._arange_s = torch.arange(S, device=device)
         self._arange_l = torch.arange(L, device=device)
 
+        if compile:  # one static graph per shape: a new slot count must not turn on dynamic shapes
+            for buf in (self.k_cache, self.v_cache, self.pos, self.last, self.active, self.ended, self.seq_tokens,
+                        self.seq_logprobs, self.seq_version, self.noise, self._arange_s, self._arange_l):
+                torch._dynamo.mark_static(buf)
         acc = dict(compile=compile, cudagraphs=cudagraphs, device=device)
         self._decode = accelerate(self.decode_step, name="decode_step", **acc)
         self._prefill_prompt = accelerate(self._prefill_fn(max_prompt_len), name="prefill", **acc)
