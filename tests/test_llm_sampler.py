@@ -313,3 +313,22 @@ def test_bad_input_raises_before_any_compile(models, tokenizer):
     with pytest.raises(ValueError, match="eos_token_id=99"):
         Sampler(model, num_slots=2, max_len=8, eos_token_id=99, pad_token_id=0, compile=True)
     assert dict(counters["frames"]) == before
+
+
+def test_sampler_latency_benchmark_writes_the_planner_format(tmp_path):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sampler_latency.py")
+    spec = importlib.util.spec_from_file_location("sampler_latency", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(bench.Bench(slots=[1, 2], models=["tiny"], modes=["eager"], steps=3, warmup=1, cache_len=32,
+                           out_dir=str(tmp_path)))
+    (machine,) = os.listdir(tmp_path)
+    out = json.load(open(tmp_path / machine / "sampler_latency.json"))
+    assert out["machine"] == machine and isinstance(out["device"], str) and out["cache_len"] == 32
+    assert set(out["model"]) >= {"params", "layers", "hidden", "kv_heads", "head_dim", "dtype"}
+    assert [(p["mode"], p["batch"]) for p in out["points"]] == [("eager", 1), ("eager", 2)]
+    assert all(p["step_time_s"] > 0 for p in out["points"])
+    assert os.path.exists(tmp_path / machine / "sampler_latency.md")
+    assert os.path.exists(tmp_path / machine / "sampler_latency.png")
