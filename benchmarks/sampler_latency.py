@@ -185,7 +185,7 @@ def plot(out, path):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Sampler decode step on {out['machine']} (cache {out['cache_len']}, {out["threads"]} torch threads)")
+    fig.suptitle(f"Sampler decode step on {out['machine']} (cache {out['cache_len']}, {out['threads']} torch threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
