@@ -1,0 +1,463 @@
+"""GRPO with an LLM policy (synchronous): sample G completions per prompt, score them with the task's verifier,
+group-relative advantages, a token-level policy-gradient loss, repeat.
+
+Read top to bottom: `Args`; the math (advantages, token weights, the three losses, log-probs); the update
+(fixed-shape micro-batches, gradient accumulation, compiled and CUDA-graphed through `leanrl.accelerate`); the
+model and its supervised warm start; the loop (`train`). The async variant (`grpo_async.py`) imports this math.
+
+Depends on: leanrl (accelerate, make_adam, Logger, checkpoints, leanrl.llm's models and Sampler), torch,
+tensordict, transformers, tqdm; a task with `problem(index, seed)` and `score(problem, text)` (envs/llm_tasks.py).
+"""
+
+import hashlib
+import itertools
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+
+import leanrl
+from leanrl.envs.llm_tasks import TASKS, make_task
+from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
+
+
+@dataclass
+class Args(leanrl.RunArgs):
+    exp_name: str = "grpo"
+    """the name of this experiment (prefix of the run directory)"""
+    total_timesteps: int = 20_480
+    """total completions sampled (iterations = total_timesteps // (num_prompts * group_size))"""
+    checkpoint_every: int = 20
+    """save a checkpoint every this many iterations (0: only at exit)"""
+    task: Literal["arithmetic", "letter_count", "countdown"] = "arithmetic"
+    """the verifiable task (envs/llm_tasks.py)"""
+    model: str = "tiny"
+    """`tiny` (a 2-layer Qwen2 built locally with the task's character tokenizer) or a named model (`smollm2-135m`)"""
+    model_path: str | None = None
+    """a local model directory (config.json, *.safetensors, tokenizer files); overrides --model"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the weights (bfloat16 for real models on a GPU)"""
+    tiny_layers: int = 2
+    """layers of the tiny model"""
+    tiny_hidden: int = 64
+    """hidden size of the tiny model"""
+    num_prompts: int = 32
+    """prompts per batch"""
+    group_size: int = 8
+    """G: completions sampled per prompt (one group)"""
+    max_len: int = 48
+    """prompt + completion tokens of a sequence (the sampler's static KV cache length)"""
+    max_prompt_len: int = 32
+    """prompts are padded to this length for the prefill (at most max_len - 1; shorter is cheaper)"""
+    num_slots: int = 64
+    """sequences decoded together by the sampler (continuous batching refills a finished slot at once)"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same one)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (1: off)"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    learning_rate: float = 1e-3
+    """Adam learning rate of the policy"""
+    update_epochs: int = 1
+    """passes over each batch"""
+    num_minibatches: int = 1
+    """optimizer steps per pass (each one accumulates gradients over micro-batches)"""
+    micro_batch: int = 64
+    """sequences per forward/backward: fixed shape [micro_batch, max_len]"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    loss: Literal["clip", "truncated_is", "decoupled"] = "clip"
+    """clipped ratio to the sampler's log-probs (GRPO/DAPO), truncated-IS REINFORCE on them (PipelineRL), or
+    decoupled PPO with the trainer's proximal log-probs (AReaL)"""
+    clip_low: float = 0.2
+    """the ratio's lower clip: 1 - clip_low"""
+    clip_high: float = 0.28
+    """the ratio's upper clip: 1 + clip_high (DAPO's asymmetric clip-higher)"""
+    is_clip: float = 2.0
+    """truncation of the importance weight: sampler ratio (truncated_is), proximal/sampler (decoupled)"""
+    scale_rewards: bool = True
+    """divide the group-centred rewards by the group's standard deviation"""
+    mask_zero_variance: bool = True
+    """weigh out groups whose completions all scored the same (no signal) from the loss and its normaliser"""
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """token-level loss over the batch: mean over tokens, mean of per-sequence means, or sum / (batch * max_len)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to a frozen copy of the initial policy (0: no reference model)"""
+    sft_steps: int = 300
+    """supervised warm-start steps on the task's demonstrations (0: none); cached under run_dir/warm_start"""
+    sft_batch: int = 64
+    """sequences per warm-start step"""
+    sft_learning_rate: float = 3e-3
+    """Adam learning rate of the warm start"""
+
+
+# ---------------------------------------------------------------------------- the math
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool, eps: float = 1e-6):
+    """Rewards [B] (rows k*G .. k*G+G-1 are one prompt's group) -> advantages [B] and `live` [B]: False for a
+    group whose rewards are all equal (its centred advantages are zero: nothing to learn from it)."""
+    r = rewards.view(-1, group_size)
+    centred = r - r.mean(1, keepdim=True)
+    adv = centred / (r.std(1, keepdim=True) + eps) if scale else centred
+    live = (r.amax(1, keepdim=True) > r.amin(1, keepdim=True)).expand_as(r)
+    return adv.reshape(-1), live.reshape(-1)
+
+
+def token_weights(completion_mask: torch.Tensor, seq_weight: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Weight of each token's loss [B, L], so that the batch loss is `(token_loss * weights).sum()`: a sum over
+    micro-batches, which is what gradient accumulation adds up, whatever the aggregation."""
+    m = completion_mask.float() * seq_weight[:, None]
+    if aggregation == "token_mean":
+        return m / m.sum().clamp(min=1)
+    if aggregation == "sequence_mean":
+        return m / completion_mask.sum(1, keepdim=True).clamp(min=1) / seq_weight.sum().clamp(min=1)
+    return m / m.numel()  # "constant": batch * max_len (Dr. GRPO), the same normaliser for every batch
+
+
+def policy_loss(logp, behaviour, proximal, adv, args: Args):
+    """Per-token loss [mb, L] and whether the token's ratio was clipped/truncated. `logp`: the trainer's (with
+    gradient); `behaviour`: the sampler's; `proximal`: the trainer's before this update (no gradient)."""
+    if args.loss == "truncated_is":  # REINFORCE weighted by the truncated sampler ratio (PipelineRL)
+        ratio = (logp.detach() - behaviour).exp()
+        return -ratio.clamp(max=args.is_clip) * adv * logp, ratio > args.is_clip
+    anchor = proximal if args.loss == "decoupled" else behaviour
+    ratio = (logp - anchor).exp()
+    clipped = ratio.clamp(1 - args.clip_low, 1 + args.clip_high)
+    surrogate = torch.min(ratio * adv, clipped * adv)
+    if args.loss == "decoupled":  # trust region around the proximal policy, reweighted to the sampler (AReaL)
+        surrogate = (proximal - behaviour).exp().clamp(max=args.is_clip) * surrogate
+    return -surrogate, ratio * adv > clipped * adv
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(policy || reference), per token: non-negative, unbiased."""
+    d = ref_logp - logp
+    return d.exp() - d - 1
+
+
+def token_logprobs(model, tokens, temperature: float):
+    """log pi(token t | tokens < t) at the sampling temperature, and the policy's entropy there, [B, L]; the
+    logits at position t-1 score token t (the sampler's quantity); position 0 scores nothing (0)."""
+    logits = model(input_ids=tokens).logits[:, :-1].float() / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+
+
+# ---------------------------------------------------------------------------- the update
+UPDATE_METRICS = ("losses/policy_loss", "losses/kl", "losses/clipfrac", "losses/entropy")
+
+
+def make_update(model, reference, optimizer, args: Args):
+    """`micro_step(mb)`: forward and backward of one fixed-shape micro-batch, gradients accumulated in place;
+    returns the sums of its token metrics and its token count. `optimizer_step()`: clip, step, zero the
+    gradients in place (captured graphs keep reading them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def micro_step(mb: TensorDict):
+        logp, entropy = token_logprobs(model, mb["tokens"], args.temperature)
+        pg, clipped = policy_loss(logp, mb["logprobs"], mb["proximal_logprobs"], mb["advantages"][:, None], args)
+        kl = k3_kl(logp, mb["ref_logprobs"])
+        ((pg + args.kl_coef * kl) * mb["weights"]).sum().backward()
+        m = mb["completion_mask"].float()
+        return torch.stack([(x.detach() * m).sum() for x in (pg, kl, clipped.float(), entropy)] + [m.sum()])
+
+    def optimizer_step():
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return grad_norm
+
+    def logprobs(tokens):
+        with torch.no_grad():
+            return token_logprobs(model, tokens, args.temperature)[0]
+
+    def ref_logprobs(tokens):
+        with torch.no_grad():
+            return token_logprobs(reference, tokens, args.temperature)[0]
+
+    for p in params:  # gradients exist before any capture and are only ever zeroed in place
+        p.grad = torch.zeros_like(p)
+    return micro_step, optimizer_step, logprobs, ref_logprobs
+
+
+class Learner:
+    """The trainer's side of GRPO, shared by the sync and async loops: the model, its optimizer, the reference,
+    and the accelerated phases."""
+
+    def __init__(self, model, args: Args, device, max_lag: int = 0):
+        self.model, self.args, self.device, self.max_lag = model, args, device, max_lag
+        self.reference = None
+        if args.kl_coef > 0:
+            self.reference = type(model)(model.config).to(device=device, dtype=model.dtype).eval()
+            self.reference.load_state_dict(model.state_dict())
+            self.reference.requires_grad_(False)
+        self.optimizer = leanrl.make_adam(model.parameters(), args.learning_rate, compile=args.compile,
+                                          cudagraphs=args.cudagraphs, device=device)
+        micro_step, optimizer_step, logprobs, ref_logprobs = make_update(model, self.reference, self.optimizer, args)
+        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)
+        self.micro_step = leanrl.accelerate(micro_step, name="micro_step", **wrap)
+        self.optimizer_step = leanrl.accelerate(optimizer_step, name="optimizer_step", **wrap)
+        self.logprobs = leanrl.accelerate(logprobs, name="logprobs", **wrap)
+        self.ref_logprobs = leanrl.accelerate(ref_logprobs, name="ref_logprobs", **wrap) if self.reference else None
+
+    def _per_micro_batch(self, fn, tokens):
+        return torch.cat([fn(t) for t in tokens.split(self.args.micro_batch)])
+
+    def update(self, batch: TensorDict, rewards: torch.Tensor, version: int) -> dict:
+        """One GRPO update on a filled sampler batch and its rewards [B]; `version`: the trainer's version
+        (tokens sampled with it are the ones the train/infer mismatch is measured on). Returns device metrics."""
+        args = self.args
+        adv, live = group_advantages(rewards, args.group_size, args.scale_rewards)
+        seq_weight = live.float() if args.mask_zero_variance else torch.ones_like(adv)
+        mask = batch["completion_mask"]
+        data = TensorDict(tokens=batch["tokens"], logprobs=batch["logprobs"], completion_mask=mask,
+                          advantages=adv, weights=token_weights(mask, seq_weight, args.aggregation),
+                          batch_size=batch.batch_size)
+        data["proximal_logprobs"] = self._per_micro_batch(self.logprobs, data["tokens"])
+        data["ref_logprobs"] = (self._per_micro_batch(self.ref_logprobs, data["tokens"]) if self.reference
+                                else data["proximal_logprobs"])
+        sums = torch.zeros(len(UPDATE_METRICS) + 1, device=self.device)
+        B = batch.batch_size[0]
+        for _ in range(args.update_epochs):
+            perm = torch.randperm(B, device=self.device)  # whole groups need not stay together: weights are global
+            for minibatch in perm.split(B // args.num_minibatches):
+                mbs = data[minibatch]
+                for mb in mbs.split(args.micro_batch):
+                    sums += self.micro_step(mb)
+                grad_norm = self.optimizer_step()
+        metrics = dict(zip(UPDATE_METRICS, sums[:-1] / sums[-1].clamp(min=1)))
+        metrics["losses/grad_norm"] = grad_norm
+        metrics.update(batch_metrics(batch, data, rewards, live, version, args.group_size, self.max_lag))
+        return metrics
+
+
+def batch_metrics(batch, data, rewards, live, version, group_size, max_lag) -> dict:
+    """What the issue asks to see of every batch (device tensors, read at the log boundary)."""
+    mask = batch["completion_mask"]
+    length = batch["completion_length"].float()
+    log_w = (data["proximal_logprobs"] - batch["logprobs"])[mask]  # trainer over sampler, per token
+    w = log_w.exp()
+    token_lag = (version - batch["version"])[mask]
+    seq_lag = version - batch["version"].amin(1)
+    current = mask & (batch["version"] == version)
+    out = {"charts/reward_mean": rewards.mean(), "charts/solve_rate": (rewards >= 1).float().mean(),
+           "charts/response_length_mean": length.mean(), "charts/response_length_p90": length.quantile(0.9),
+           "charts/response_length_max": length.max(), "charts/finished_frac": batch["finished"].float().mean(),
+           "charts/zero_variance_groups": (~live).float().sum() / group_size,
+           "charts/ess": w.sum() ** 2 / (w.numel() * (w ** 2).sum()).clamp(min=1e-12),
+           "charts/kl_to_sampler": (w - log_w - 1).mean(),
+           "charts/train_infer_mismatch": ((data["proximal_logprobs"] - batch["logprobs"]).abs() * current).sum()
+           / current.sum().clamp(min=1)}
+    # Lags beyond max_lag cannot happen (the pipeline's admission control); clamped only to keep the shape fixed.
+    token_hist = torch.bincount(token_lag.clamp(0, max_lag), minlength=max_lag + 1)
+    seq_hist = torch.bincount(seq_lag.clamp(0, max_lag), minlength=max_lag + 1)
+    out.update({f"lag/token_hist_{k}": token_hist[k] for k in range(max_lag + 1)})
+    out.update({f"lag/sequence_hist_{k}": seq_hist[k] for k in range(max_lag + 1)})
+    return out
+
+
+# ---------------------------------------------------------------------------- prompts, rewards, the model
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+class PromptStream:
+    """Prompts number start, start + stride, ... of the task's fixed stream, encoded, as the sampler pulls
+    them: `(prompt_id, tokens)`. A prompt id is the problem's index, so a verifier anywhere can rebuild the
+    problem from it; `next_index` is what a checkpoint keeps."""
+
+    def __init__(self, task, tokenizer, seed: int, start: int = 0, stride: int = 1):
+        self.task, self.tokenizer, self.seed, self.next_index, self.stride = task, tokenizer, seed, start, stride
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        index = self.next_index
+        self.next_index += self.stride
+        return index, encode(self.tokenizer, self.task.problem(index, self.seed).prompt)
+
+
+def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
+    """The verifier on every completion of a batch copied to the host (it reads text); a completion cut at
+    max_len scores 0. Returns rewards [B] (float32, on the host)."""
+    rewards = []
+    for tokens, start, length, pid, finished in zip(
+            host_batch["tokens"].tolist(), host_batch["prompt_length"].tolist(),
+            host_batch["completion_length"].tolist(), host_batch["prompt_id"].tolist(),
+            host_batch["finished"].tolist()):
+        text = tokenizer.decode(tokens[start:start + length], skip_special_tokens=True)
+        rewards.append(task.score(task.problem(pid, seed), text) if finished else 0.0)
+    return torch.tensor(rewards)
+
+
+def demonstrations(task, tokenizer, indices, seed: int, max_len: int):
+    """Prompt + demonstration + EOS per problem, right-padded to max_len, and the mask of the completion."""
+    tokens = torch.full((len(indices), max_len), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
+    for row, index in enumerate(indices):
+        problem = task.problem(index, seed)
+        prompt = encode(tokenizer, problem.prompt)
+        completion = tokenizer(problem.demonstration, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seq = (prompt + completion)[:max_len]
+        tokens[row, :len(seq)] = torch.tensor(seq)
+        mask[row, len(prompt):len(seq)] = True
+    return tokens, mask
+
+
+def warm_start(model, tokenizer, task, args: Args, device):
+    """A short supervised run on the task's demonstrations (another problem stream than GRPO's): it teaches a
+    tiny model the answer format; what it gets right is then up to RL."""
+    from tqdm import trange
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_learning_rate)
+    n = args.sft_batch
+    for step in trange(args.sft_steps, desc="warm start", disable=not args.progress):
+        tokens, mask = demonstrations(task, tokenizer, range(step * n, (step + 1) * n), -1 - args.seed, args.max_len)
+        tokens, mask = tokens.to(device), mask.to(device)
+        logp, _ = token_logprobs(model, tokens, 1.0)
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def prepare_model(args: Args, task, device) -> str:
+    """The directory GRPO starts from: `--model-path`, the named `--model`, or a tiny model built for the task's
+    alphabet; then, if `sft_steps`, its warm-started copy. Both are cached under `run_dir/warm_start/` (keyed by
+    everything that makes them), so reruns and async collectors load them instead of rebuilding."""
+    cache = os.path.join(args.run_dir, "warm_start")
+    base = args.model_path or args.model
+    if base == "tiny" and not args.model_path:
+        base = os.path.join(cache, f"tiny-{args.task}-{args.tiny_layers}x{args.tiny_hidden}-seed{args.seed}")
+        if not os.path.isfile(os.path.join(base, "config.json")):
+            save_tiny_model(base, char_tokenizer(task.alphabet), num_layers=args.tiny_layers,
+                            hidden_size=args.tiny_hidden, max_position_embeddings=max(512, args.max_len),
+                            seed=args.seed)
+    if args.sft_steps == 0:
+        return base
+    key = json.dumps([os.path.abspath(base) if os.path.isdir(base) else base, repr(task), args.sft_steps,
+                      args.sft_batch, args.sft_learning_rate, args.max_len, args.seed, args.dtype])
+    out = os.path.join(cache, "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        model, tokenizer = load_model(base, device=device, dtype=getattr(torch, args.dtype))
+        warm_start(model, tokenizer, task, args, device)
+        model.save_pretrained(out + ".tmp")
+        tokenizer.save_pretrained(out + ".tmp")
+        os.replace(out + ".tmp", out)  # complete or absent, never half written
+    return out
+
+
+def check_args(args: Args):
+    """Bad settings are clear errors, raised before anything is built or compiled."""
+    B = args.num_prompts * args.group_size
+    if args.group_size < 2:
+        raise ValueError(f"--group-size {args.group_size}: a group-relative advantage needs at least 2 completions")
+    if args.micro_batch < 1 or B % (args.num_minibatches * args.micro_batch):
+        raise ValueError(f"--num-prompts x --group-size = {B} sequences must split into --num-minibatches "
+                         f"{args.num_minibatches} x whole micro-batches of --micro-batch {args.micro_batch}")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
+    if args.total_timesteps < B:
+        raise ValueError(f"--total-timesteps {args.total_timesteps}: less than one batch of {B} completions")
+    if args.task not in TASKS:
+        raise ValueError(f"--task {args.task!r}: choose one of {sorted(TASKS)}")
+
+
+def load_policy(args: Args, device, model_dir: str | None = None):
+    """Task, model (prepared and warm-started, or loaded from `model_dir`), tokenizer and the model's directory:
+    what the sync loop, the async trainer and every async collector build identically."""
+    task = make_task(args.task)
+    model_dir = model_dir or prepare_model(args, task, device)
+    model, tokenizer = load_model(model_dir, device=device, dtype=getattr(torch, args.dtype))
+    return task, model, tokenizer, model_dir
+
+
+def make_sampler(model, tokenizer, args: Args, **overrides) -> Sampler:
+    settings = dict(num_slots=args.num_slots, max_len=args.max_len, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, max_prompt_len=args.max_prompt_len, compile=args.compile,
+                    cudagraphs=args.cudagraphs, seed=args.seed)
+    return Sampler(model, **{**settings, **overrides})
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_logger(args: Args, run_dir: str, num_iterations: int, iteration: int) -> leanrl.Logger:
+    B = args.num_prompts * args.group_size
+    return leanrl.Logger(run_dir, asdict(args), num_iterations * B, track=args.track, wandb_mode=args.wandb_mode,
+                         wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
+                         run_name=os.path.basename(run_dir), start_step=iteration * B, progress=args.progress)
+
+
+def restore(learner: Learner, state: dict):
+    """Weights and optimizer in place (before any capture), keeping the optimizer's tensor learning rate."""
+    learner.model.load_state_dict(state["model"])
+    lr = learner.optimizer.param_groups[0]["lr"]
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.optimizer.param_groups[0]["lr"] = lr.copy_(learner.optimizer.param_groups[0]["lr"])
+
+
+# ---------------------------------------------------------------------------- the loop
+def train(args: Args) -> dict:
+    """Sync GRPO: the sampler shares the trainer's model (zero copy: an optimizer step is a weight update),
+    sample a batch, score it, update, log, checkpoint. Returns the last logged metrics."""
+    check_args(args)
+    device = leanrl.resolve_device(args.device)
+    leanrl.seed_everything(args.seed, args.torch_deterministic)
+    task, model, tokenizer, _ = load_policy(args, device)
+    learner = Learner(model, args, device)
+    sampler = make_sampler(model, tokenizer, args)
+    B = args.num_prompts * args.group_size
+    batch = sampler.make_batch(B)
+    prompts = PromptStream(task, tokenizer, args.seed)
+    num_iterations = args.total_timesteps // B
+    run_dir = leanrl.make_run_dir(args, f"grpo-{args.task}")
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    iteration = 0
+    if args.resume:
+        state = leanrl.load_checkpoint(args.resume)
+        restore(learner, state)
+        iteration, prompts.next_index = state["iteration"], state["next_prompt"]
+
+    def state():
+        return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration,
+                    next_prompt=prompts.next_index)
+
+    logger = make_logger(args, run_dir, num_iterations, iteration)
+    with leanrl.save_on_interrupt(checkpoint_path, state):
+        try:
+            while iteration < num_iterations:
+                # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.
+                stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=lambda: iteration,
+                                     carry_over=False)
+                host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
+                rewards = score(task, tokenizer, host, args.seed).to(device)
+                t0 = time.perf_counter()
+                metrics = learner.update(batch, rewards, iteration)
+                synchronize(device)
+                update_time = time.perf_counter() - t0
+                metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
+                                "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,
+                                "perf/slot_utilization": stats["slot_utilization"], "perf/sample_time": stats["time_s"],
+                                "perf/update_time": update_time})
+                logger.record(metrics)
+                iteration += 1
+                logger.end_iteration(iteration * B)
+                if iteration % args.log_every == 0 or iteration == num_iterations:
+                    logger.flush()
+                if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                    leanrl.save_checkpoint(checkpoint_path, state())
+        finally:
+            logger.close()
+    leanrl.save_checkpoint(checkpoint_path, state())
+    return logger.last

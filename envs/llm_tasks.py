@@ -1,0 +1,166 @@
+"""Verifiable text tasks for GRPO, generated locally: a task is a prompt generator plus a verifier.
+
+To add your own, copy one class: `alphabet` (the characters its prompts and answers use, for the tiny model's
+character tokenizer), `problem(index, seed)` (the problem number `index` of a fixed stream: the same index gives the
+same problem in every process, so a batch needs to carry only its prompt ids), and `score(problem, completion)`
+(1.0 if the completion solves the problem, else 0.0; it never raises, whatever the text). `demonstration` is
+a correct completion, for the supervised warm start that teaches a tiny model the answer format.
+"""
+
+import random
+import re
+from dataclasses import dataclass
+
+DIGITS = "0123456789"
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    """the text the model continues"""
+    answer: str
+    """what the verifier checks the completion against"""
+    demonstration: str
+    """a correct completion (the warm start's target)"""
+
+
+def _rng(index: int, seed: int) -> random.Random:
+    return random.Random(seed * 1_000_003 + index)
+
+
+def _last_field(completion: str, sep: str) -> str:
+    return completion.strip().split(sep)[-1].strip()
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """Sums of `max_digits`-digit numbers; the number of terms is log-normal, so response lengths are
+    heavy-tailed and synchronous generation waits on stragglers. The completion writes the running sums,
+    `12+7+30=` -> `19,49`: one field per term, the last field is the answer."""
+
+    max_digits: int = 1
+    terms_mu: float = 0.0
+    """log-normal location of the number of terms (median exp(mu) + 1)"""
+    terms_sigma: float = 0.8
+    """log-normal scale of the number of terms: the tail of response lengths"""
+    max_terms: int = 12
+    alphabet: str = DIGITS + "+=,"
+
+    def problem(self, index: int, seed: int = 0) -> Problem:
+        rng = _rng(index, seed)
+        n = min(2 + int(rng.lognormvariate(self.terms_mu, self.terms_sigma)), self.max_terms)
+        terms = [rng.randrange(10 ** rng.randint(1, self.max_digits)) for _ in range(n)]
+        sums = [sum(terms[: k + 1]) for k in range(1, n)]
+        return Problem("+".join(map(str, terms)) + "=", str(sums[-1]), ",".join(map(str, sums)))
+
+    def score(self, problem: Problem, completion: str) -> float:
+        return float(_last_field(completion, ",") == problem.answer)
+
+
+@dataclass(frozen=True)
+class LetterCount:
+    """PipelineRL's counting task: how many times a letter occurs in a random word. `r:strawberry?` -> `3`."""
+
+    min_len: int = 3
+    max_len: int = 12
+    letters: str = "abcdefgh"
+    alphabet: str = DIGITS + "abcdefghijklmnopqrstuvwxyz:?"
+
+    def problem(self, index: int, seed: int = 0) -> Problem:
+        rng = _rng(index, seed)
+        word = "".join(rng.choice(self.letters) for _ in range(rng.randint(self.min_len, self.max_len)))
+        letter = rng.choice(self.letters)
+        count = str(word.count(letter))
+        return Problem(f"{letter}:{word}?", count, count)
+
+    def score(self, problem: Problem, completion: str) -> float:
+        return float(completion.strip() == problem.answer)
+
+
+@dataclass(frozen=True)
+class Countdown:
+    """Reach a target with +, -, * over some of the given numbers, each used at most once.
+    `3,5,7>22:` -> `3*5+7` (any correct expression scores)."""
+
+    num_numbers: int = 3
+    max_number: int = 9
+    alphabet: str = DIGITS + "+-*(),>:"
+
+    def problem(self, index: int, seed: int = 0) -> Problem:
+        rng = _rng(index, seed)
+        numbers = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+        used = rng.sample(numbers, rng.randint(2, self.num_numbers))
+        expr = str(used[0])
+        for x in used[1:]:
+            expr += rng.choice("+-*") + str(x)
+        target = _evaluate(expr)
+        return Problem(",".join(map(str, numbers)) + f">{target}:", str(target), expr)
+
+    def score(self, problem: Problem, completion: str) -> float:
+        expr = completion.strip()
+        numbers = problem.prompt.split(">")[0].split(",")
+        used = re.findall(r"\d+", expr)
+        if not used or any(used.count(x) > numbers.count(x) for x in set(used)):
+            return 0.0
+        value = _evaluate(expr)
+        return float(value is not None and str(value) == problem.answer)
+
+
+def _evaluate(expr: str) -> int | None:
+    """Integer value of an expression of non-negative integers, + - * and parentheses; None if malformed.
+    A small recursive-descent parser: never `eval` model output."""
+    tokens = re.findall(r"\d+|[-+*()]|\S", expr)
+    pos = 0
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def atom():
+        nonlocal pos
+        tok = peek()
+        if tok is None:
+            raise ValueError
+        pos += 1
+        if tok.isdigit() and len(tok) <= 6:
+            return int(tok)
+        if tok == "(":
+            value = sum_()
+            if peek() != ")":
+                raise ValueError
+            pos += 1
+            return value
+        raise ValueError
+
+    def product():
+        nonlocal pos
+        value = atom()
+        while peek() == "*":
+            pos += 1
+            value *= atom()
+            if abs(value) > 10**12:
+                raise ValueError
+        return value
+
+    def sum_():
+        nonlocal pos
+        value = product()
+        while peek() in ("+", "-"):
+            op = tokens[pos]
+            pos += 1
+            value = value + product() if op == "+" else value - product()
+        return value
+
+    try:
+        value = sum_()
+        return value if pos == len(tokens) else None
+    except (ValueError, RecursionError):
+        return None
+
+
+TASKS = {"arithmetic": Arithmetic, "letter_count": LetterCount, "countdown": Countdown}
+
+
+def make_task(name: str, **kwargs):
+    if name not in TASKS:
+        raise ValueError(f"--task {name!r}: choose one of {sorted(TASKS)}")
+    return TASKS[name](**kwargs)

@@ -1,0 +1,184 @@
+"""GRPO: the math against hand-computed values, the verifiers, bad input, compiled == eager, learning."""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leanrl.algorithms import grpo
+from leanrl.envs.llm_tasks import Arithmetic, Countdown, LetterCount, Problem, make_task
+
+
+# ---------------------------------------------------------------------------- advantages and losses
+def test_group_advantages_against_hand_computed_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # G = 4: a mixed group, a solved one
+    adv, live = grpo.group_advantages(rewards, 4, scale=False)
+    assert torch.equal(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    assert live.tolist() == [True] * 4 + [False] * 4
+    adv, _ = grpo.group_advantages(rewards, 4, scale=True)
+    std = math.sqrt((4 * 0.25) / 3)  # unbiased std of (1, 0, 0, 1)
+    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(adv[4:], torch.zeros(4))
+
+
+def test_token_weights_for_each_aggregation():
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    live = torch.tensor([1.0, 1.0, 0.0])  # the third sequence's group had no signal
+    w = grpo.token_weights(mask, live, "token_mean")
+    assert torch.allclose(w, torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]]) / 4.0)
+    w = grpo.token_weights(mask, live, "sequence_mean")
+    assert torch.allclose(w, torch.tensor([[0, 1 / 3, 1 / 3, 1 / 3], [0, 0, 1, 0], [0, 0, 0, 0]]) / 2)
+    w = grpo.token_weights(mask, live, "constant")
+    assert torch.allclose(w, torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]]) / 12.0)
+
+
+def _args(**kw):
+    return grpo.Args(**{"clip_low": 0.2, "clip_high": 0.3, "is_clip": 2.0, **kw})
+
+
+def test_clip_loss_against_hand_computed_values():
+    logp = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
+    behaviour = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))  # ratios 1, 1.8, 0.2
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, clipped = grpo.policy_loss(logp, behaviour, None, adv, _args(loss="clip"))
+    # min(r A, clip(r, 0.8, 1.3) A): 1; min(1.8, 1.3) = 1.3; min(-0.2, -0.8) = -0.8
+    torch.testing.assert_close(loss, -torch.tensor([[1.0, 1.3, -0.8]]))
+    assert clipped.tolist() == [[False, True, True]]
+
+
+def test_truncated_is_loss_against_hand_computed_values():
+    logp = torch.log(torch.tensor([[0.5, 0.9, 0.1]])).requires_grad_()
+    behaviour = torch.log(torch.tensor([[0.5, 0.3, 0.5]]))  # ratios 1, 3 (truncated to 2), 0.2
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, truncated = grpo.policy_loss(logp, behaviour, None, adv, _args(loss="truncated_is"))
+    loss.sum().backward()
+    # d/dlogp of -w A logp with w detached: -w A
+    torch.testing.assert_close(logp.grad, -torch.tensor([[1.0, 2.0, -0.2]]))
+    assert truncated.tolist() == [[False, True, False]]
+
+
+def test_decoupled_loss_against_hand_computed_values():
+    logp = torch.log(torch.tensor([[0.6, 0.9]]))
+    proximal = torch.log(torch.tensor([[0.5, 0.5]]))  # ratios to proximal: 1.2, 1.8 (clipped to 1.3)
+    behaviour = torch.log(torch.tensor([[0.25, 0.5]]))  # proximal/behaviour: 2 (at the cap), 1
+    adv = torch.tensor([[1.0, 1.0]])
+    loss, clipped = grpo.policy_loss(logp, behaviour, proximal, adv, _args(loss="decoupled"))
+    torch.testing.assert_close(loss, -torch.tensor([[2.0 * 1.2, 1.0 * 1.3]]))
+    assert clipped.tolist() == [[False, True]]
+
+
+def test_k3_kl_against_hand_computed_values():
+    logp, ref = torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.25]))
+    torch.testing.assert_close(grpo.k3_kl(logp, ref), torch.tensor([0.0, 0.5 - math.log(0.5) - 1]))
+
+
+# ---------------------------------------------------------------------------- tasks
+@pytest.mark.parametrize("task", [Arithmetic(), Arithmetic(max_digits=3), LetterCount(), Countdown()])
+def test_demonstrations_score_one_and_the_alphabet_covers_the_text(task):
+    for index in range(200):
+        problem = task.problem(index, seed=3)
+        assert problem == task.problem(index, seed=3)  # a fixed stream: any process rebuilds it from its id
+        assert task.score(problem, problem.demonstration) == 1.0
+        assert set(problem.prompt + problem.demonstration) <= set(task.alphabet)
+
+
+def test_arithmetic_response_lengths_are_heavy_tailed():
+    lengths = sorted(len(Arithmetic().problem(i).demonstration) for i in range(2000))
+    median, p99 = lengths[1000], lengths[1980]
+    assert p99 >= 4 * median
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["arithmetic", "letter_count", "countdown"]), st.integers(0, 10**6),
+       st.text(alphabet=st.sampled_from(list("0123456789+-*/(),=:>? abcxyz\n")) | st.characters(), max_size=60))
+def test_verifiers_never_raise_on_garbage(name, index, text):
+    task = make_task(name)
+    assert task.score(task.problem(index), text) in (0.0, 1.0)
+
+
+def test_wrong_or_truncated_answers_score_zero():
+    p = Problem("6+7+9=", "22", "13,22")
+    assert Arithmetic().score(p, "13,2") == 0.0
+    assert Arithmetic().score(p, "22") == 1.0  # the answer counts, the running sums are the format
+    c = Problem("3,5,7>22:", "22", "3*5+7")
+    assert Countdown().score(c, "3*5+7") == 1.0
+    assert Countdown().score(c, "3*5+7+0") == 0.0  # 0 is not among the numbers
+    assert Countdown().score(c, "3*5+7*1") == 0.0
+    assert Countdown().score(c, "(3*5+7") == 0.0
+    assert Countdown().score(c, "22") == 0.0
+    assert Countdown().score(Problem("3,3,7>9:", "9", ""), "3*3*3") == 0.0  # a number used more often than given
+
+
+# ---------------------------------------------------------------------------- the update
+def _tiny_model(seed=0, vocab=16):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _batch(B=8, L=12, vocab=16, seed=0):
+    """A batch with the sampler's keys: prompts of 3-4 tokens, completions of 2-8, pad 0 after them."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_length = torch.randint(3, 5, (B,), generator=g)
+    completion_length = torch.randint(2, 9, (B,), generator=g)
+    pos = torch.arange(L)
+    mask = (pos >= prompt_length[:, None]) & (pos < (prompt_length + completion_length)[:, None])
+    tokens = torch.randint(1, vocab, (B, L), generator=g) * (pos < (prompt_length + completion_length)[:, None])
+    from tensordict import TensorDict
+    return TensorDict(tokens=tokens, prompt_length=prompt_length, completion_length=completion_length,
+                      completion_mask=mask, logprobs=-torch.rand(B, L, generator=g) * 3 * mask,
+                      version=torch.zeros(B, L, dtype=torch.long), finished=torch.ones(B, dtype=torch.bool),
+                      prompt_id=torch.arange(B) // 4, batch_size=[B])
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _update(batch, rewards, **kw):
+    args = grpo.Args(group_size=4, num_prompts=batch.shape[0] // 4, micro_batch=4, device="cpu", **kw)
+    model = _tiny_model()
+    grpo.Learner(model, args, torch.device("cpu")).update(batch, rewards, version=0)
+    return _params(model)
+
+
+@pytest.mark.parametrize("mask_zero_variance", [True, False])
+@pytest.mark.parametrize("loss", ["clip", "truncated_is", "decoupled"])
+def test_a_zero_variance_group_contributes_no_gradient(loss, mask_zero_variance):
+    batch = _batch()
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # the second group: all solved
+    garbage = batch.clone()  # whatever the dead group holds, the update is the same
+    garbage["tokens"][4:] = torch.randint(1, 16, (4, 12)) * (batch["tokens"][4:] > 0)
+    garbage["logprobs"][4:] = -5.0 * batch["completion_mask"][4:]
+    kw = dict(loss=loss, mask_zero_variance=mask_zero_variance)
+    before = _params(_tiny_model())
+    after = _update(batch, rewards, **kw)
+    torch.testing.assert_close(_update(garbage, rewards, **kw), after, rtol=0, atol=1e-6)
+    assert not torch.allclose(after, before)  # the live group does move the weights
+    all_dead = torch.ones(8)
+    torch.testing.assert_close(_update(batch, all_dead, **kw), before, rtol=0, atol=0)
+
+
+def test_compiled_update_equals_eager_after_k_steps():
+    batch = _batch()
+    results = []
+    for compile in (False, True):
+        args = grpo.Args(group_size=4, num_prompts=2, micro_batch=4, device="cpu", compile=compile, loss="decoupled",
+                         kl_coef=0.1)
+        model = _tiny_model()
+        learner = grpo.Learner(model, args, torch.device("cpu"))
+        for k in range(3):
+            rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]).roll(k)
+            metrics = learner.update(batch, rewards, version=k)
+        results.append((_params(model), torch.stack([metrics[k] for k in grpo.UPDATE_METRICS])))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
