@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model  # noqa: E402
+from leanrl.llm.models import NAMED_MODELS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
@@ -44,13 +45,14 @@ class Bench:
     cache_len: int = 128
     """the static KV cache length (max_len: prompt + completion)"""
     models: list[str] = field(default_factory=lambda: ["tiny", "20m"])
-    """which models to time (see MODELS); the first one is the JSON's top-level curve"""
+    """which models to time: MODELS (random weights) or a named model (e.g. smollm2-135m); the first one is the
+    JSON's top-level curve"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """where the sampler runs"""
     dtype: str = "bfloat16" if torch.cuda.is_available() else "float32"
     """the weights' and cache's dtype"""
     steps: int = 40
-    """timed decode steps per point (the median is reported)"""
+    """timed decode steps per point, in 4 rounds that alternate the modes (the median is reported)"""
     warmup: int = 5
     """untimed steps first (compilation, CUDA graph capture)"""
     modes: list[str] = field(default_factory=lambda: ["eager", "compile", "compile+cudagraphs"])
@@ -68,9 +70,8 @@ def modes(names, device: torch.device):
     return [(m, MODES[m]) for m in names if m != "compile+cudagraphs" or device.type == "cuda"]
 
 
-def time_steps(sampler: Sampler, warmup: int, steps: int) -> tuple[list[float], float]:
-    """Per-step times of `steps` decode steps with every slot busy, after `warmup` steps (timed together:
-    the first-call cost of compiling and capturing)."""
+def start(sampler: Sampler, warmup: int) -> float:
+    """Every slot busy; `warmup` untimed steps (compilation, CUDA graph capture): returns their time."""
     S = sampler.num_slots
     sampler.active.fill_(True)
     sampler.last.copy_(torch.randint(3, sampler.vocab_size, (S,), generator=torch.Generator().manual_seed(0)))
@@ -78,7 +79,10 @@ def time_steps(sampler: Sampler, warmup: int, steps: int) -> tuple[list[float], 
     t0 = time.perf_counter()
     for _ in range(warmup):
         sampler.decode(0)
-    first = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def time_steps(sampler: Sampler, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         if sampler.pos.max().item() >= sampler.max_len - 2:  # outside the timed step: keep writes in the cache
@@ -86,7 +90,7 @@ def time_steps(sampler: Sampler, warmup: int, steps: int) -> tuple[list[float], 
         t0 = time.perf_counter()
         sampler.decode(0)
         times.append(time.perf_counter() - t0)
-    return times, first
+    return times
 
 
 def main(b: Bench):
@@ -97,27 +101,38 @@ def main(b: Bench):
     load_before = os.getloadavg()
     results = []
     for name in b.models:
-        with tempfile.TemporaryDirectory() as d:
-            save_tiny_model(d, tokenizer, max_position_embeddings=max(512, b.cache_len), **MODELS[name])
-            model, tok = load_model(d, device=device, dtype=dtype)
+        if name in NAMED_MODELS:
+            model, tok = load_model(name, device=device, dtype=dtype)
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                save_tiny_model(d, tokenizer, max_position_embeddings=max(512, b.cache_len), **MODELS[name])
+                model, tok = load_model(d, device=device, dtype=dtype)
+        model.requires_grad_(False)
         c = model.config
         info = dict(name=name, family=c.model_type, params=sum(p.numel() for p in model.parameters()),
                     layers=c.num_hidden_layers, hidden=c.hidden_size, kv_heads=c.num_key_value_heads,
-                    head_dim=c.hidden_size // c.num_attention_heads, dtype=b.dtype)
+                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                    vocab=c.vocab_size, dtype=b.dtype)
         points = []
-        for mode, kwargs in modes(b.modes, device):
-            for S in b.slots:
-                torch._dynamo.reset()  # each slot count is its own static graph; stay under the recompile limit
-                sampler = Sampler(model, num_slots=S, max_len=b.cache_len, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=tok.pad_token_id, **kwargs)
-                times, first = time_steps(sampler, b.warmup, b.steps)
-                step = statistics.median(times)
+        for S in b.slots:
+            torch._dynamo.reset()  # each slot count is its own static graph; stay under the recompile limit
+            samplers = {mode: Sampler(model, num_slots=S, max_len=b.cache_len, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id, **kwargs)
+                        for mode, kwargs in modes(b.modes, device)}
+            first = {mode: start(sampler, b.warmup) for mode, sampler in samplers.items()}
+            # The modes take turns in short rounds, so a change of the machine's load hits them alike.
+            times = {mode: [] for mode in samplers}
+            rounds = 4
+            for _ in range(rounds):
+                for mode, sampler in samplers.items():
+                    times[mode] += time_steps(sampler, -(-b.steps // rounds))
+            for mode, t in times.items():
+                step = statistics.median(t)
                 points.append(dict(mode=mode, batch=S, step_time_s=step, tokens_per_s=S / step,
-                                   p90_step_time_s=sorted(times)[int(0.9 * (len(times) - 1))],
-                                   warmup_s=first))
+                                   p90_step_time_s=sorted(t)[int(0.9 * (len(t) - 1))], warmup_s=first[mode]))
                 print(f"{name} {mode:>20} slots {S:3d}: {step * 1e3:8.3f} ms/step, {S / step:9.0f} tokens/s "
-                      f"(warmup {first:.1f} s)", flush=True)
-                del sampler
+                      f"(warmup {first[mode]:.1f} s)", flush=True)
+            del samplers
         results.append(dict(model=info, points=points))
     load_after = os.getloadavg()
 

@@ -67,13 +67,14 @@ class Sampler:
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            w = {n: getattr(attn, n).weight.data for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
-            w.update({n + "_bias": getattr(attn, n).bias.data for n in ("q_proj", "k_proj", "v_proj")
-                      if getattr(attn, n).bias is not None})
+            linears = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            linears.update(gate=mlp.gate_proj, up=mlp.up_proj, down=mlp.down_proj)
+            w = {n: m.weight.data for n, m in linears.items()}
+            # Qwen2's q/k/v biases; Llama's attention_bias / mlp_bias options
+            w.update({n + "_bias": m.bias.data for n, m in linears.items() if m.bias is not None})
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head's query and key
                 w.update(q_norm=attn.q_norm.weight.data, k_norm=attn.k_norm.weight.data)
-            w.update(ln1=layer.input_layernorm.weight.data, ln2=layer.post_attention_layernorm.weight.data,
-                     gate=mlp.gate_proj.weight.data, up=mlp.up_proj.weight.data, down=mlp.down_proj.weight.data)
+            w.update(ln1=layer.input_layernorm.weight.data, ln2=layer.post_attention_layernorm.weight.data)
             self.layers.append(w)
         self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -116,7 +117,7 @@ class Sampler:
         self._prefill_all = (self._prefill_prompt if max_prompt_len == max_len - 1 else
                              accelerate(self._prefill_fn(max_len - 1), name="prefill_all", **acc))
 
-        # Host-side scheduling state (Python ints only: no device reads besides `done`, once per step).
+        # Host-side scheduling state (Python ints only: no device reads besides `ended`, once per step).
         self._slot = [None] * S  # per slot: [group, member, prompt_length, generated, first_version]
         self._queue = deque()  # (group, member) waiting for a slot
         self._ready = []  # complete groups not yet in a batch (carry_over)
@@ -162,9 +163,10 @@ class Sampler:
         return torch.einsum(f"nkgt,{kv}->nkgd", probs, values).reshape(n, self.num_heads * self.head_dim)
 
     def _mlp_residual(self, w, x, attn):
-        x = x + F.linear(attn, w["o_proj"])
+        x = x + F.linear(attn, w["o_proj"], w.get("o_proj_bias"))
         h = self._rms(x, w["ln2"])
-        return x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+        gate, up = F.linear(h, w["gate"], w.get("gate_bias")), F.linear(h, w["up"], w.get("up_bias"))
+        return x + F.linear(F.silu(gate) * up, w["down"], w.get("down_bias"))
 
     def _prefill_fn(self, length):
         def prefill(slot):
@@ -255,7 +257,7 @@ class Sampler:
             raise ValueError(f"prompt_id {prompt_id}: token ids outside the model's vocabulary [0, {self.vocab_size})"
                              " (vocabulary mismatch between tokenizer and model?)")
 
-    def _start(self, s, group, member, version):
+    def _start(self, s, group, member):
         """Put a queued sequence into free slot s: its token row, then the prefill of its cache."""
         P = len(group.tokens)
         row = torch.full((self.max_len,), self.pad_token_id, dtype=torch.long)
@@ -274,19 +276,16 @@ class Sampler:
         self._slot[s] = None
 
     def _finish(self, s, finished, min_version):
-        """Slot s ended: keep its record in its group (or restart it if too stale); the group may complete."""
+        """Slot s ended: keep its record in its group, which may be complete now."""
         group, member, P, C, v0 = self._slot[s]
-        record = (self.seq_tokens[s].clone(), self.seq_logprobs[s].clone(), self.seq_version[s].clone(), P, C,
-                  finished, v0)
+        group.done[member] = (self.seq_tokens[s].clone(), self.seq_logprobs[s].clone(), self.seq_version[s].clone(),
+                              P, C, finished, v0)
         self._release(s)
-        if v0 < min_version:  # too stale already: restart now rather than after the rest of its group
-            self._queue.appendleft((group, member))
-            return 1
-        group.done[member] = record
         return self._complete(group, min_version)
 
     def _complete(self, group, min_version):
-        """If every member of `group` is done, restart the stale ones (-> count) or mark the group ready."""
+        """If every member of `group` is done, restart the stale ones (members finished in an earlier call, before
+        min_version rose) and return their count, or mark the group ready."""
         if any(r is None for r in group.done):
             return 0
         stale = [j for j, r in enumerate(group.done) if r[6] < min_version]
@@ -317,7 +316,7 @@ class Sampler:
         need = B // group_size
         prompts = iter(prompts)
         t0 = time.perf_counter()
-        stats = dict(sampled_tokens=0, decode_steps=0, dropped=0, busy=0, prefills=0, recomputes=0)
+        stats = dict(decode_steps=0, dropped=0, busy=0, prefills=0, recomputes=0)
 
         # Carried over from the previous call: restart what the new min_version forbids.
         for s, slot in enumerate(self._slot):
@@ -363,7 +362,7 @@ class Sampler:
                         admit = None if admit is None else admit - 1
                 if not self._queue:
                     break
-                self._start(s, *self._queue.popleft(), version)
+                self._start(s, *self._queue.popleft())
                 stats["prefills"] += 1
             busy = [s for s in range(self.num_slots) if self._slot[s] is not None]
             if not busy:
@@ -378,15 +377,14 @@ class Sampler:
                 self._slot[s][3] += 1
                 if ended[s]:
                     stats["dropped"] += self._finish(s, ended[s] == 1, min_version)
-        stats["sampled_tokens"] = stats["busy"]
 
         groups = self._ready[:need]
         del self._ready[:need]
         if not carry_over:
             groups.sort(key=lambda g: g.order)
         self._write(batch, groups, group_size)
-        steps = max(stats["decode_steps"], 1)
-        return dict(sampled_tokens=float(stats["sampled_tokens"]), decode_steps=float(stats["decode_steps"]),
+        steps = max(stats["decode_steps"], 1)  # every busy slot samples one token per step
+        return dict(sampled_tokens=float(stats["busy"]), decode_steps=float(stats["decode_steps"]),
                     dropped=float(stats["dropped"]), slot_utilization=stats["busy"] / (steps * self.num_slots),
                     time_s=time.perf_counter() - t0, groups=float(len(groups)), prefills=float(stats["prefills"]),
                     recomputes=float(stats["recomputes"]))
