@@ -207,13 +207,43 @@ def test_compiled_decode_equals_eager(models):
     torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cudagraphs_decode_equals_compiled(models):
+    """On CUDA: the compiled decode step captured in a CUDA graph gives the compiled step's tokens, also across
+    an in-place weight update (the graph reads the weights' addresses)."""
+    from tensordict import from_module
+
+    old, tok = models["qwen2"]
+    new = from_module(_perturbed(old, seed=7).cuda()).data
+    batches = []
+    for cudagraphs in (False, True):
+        served = _perturbed(old, seed=0)
+        served.load_state_dict(old.state_dict())
+        sampler = make_sampler(served.cuda(), tok, temperature=0.9, top_k=8, seed=5, compile=True,
+                               cudagraphs=cudagraphs)
+        steps = []
+
+        def step_boundary():
+            steps.append(None)
+            if len(steps) == 6:
+                sampler.params.update_(new)
+            return int(len(steps) >= 6)
+
+        batch = sampler.make_batch(8)
+        sampler.fill(batch, iter(prompts_of(tok)), group_size=2, step_boundary=step_boundary, carry_over=False)
+        batches.append(batch.cpu())
+    assert torch.equal(batches[0]["tokens"], batches[1]["tokens"])
+    torch.testing.assert_close(batches[0]["logprobs"], batches[1]["logprobs"], atol=1e-5, rtol=0)
+
+
 def test_refilled_slot_never_sees_its_previous_occupant(models):
     """2 slots, 8 prompts of different lengths: every slot is refilled several times; each sequence equals a
     solo run of its prompt in a fresh 1-slot sampler."""
     model, tok = models["llama"]
     texts = ["1+1=2+3=4+5=", "a", "22+3=", "b", "9*9=81*", "cc", "12-7=", "j"]
     prompts = prompts_of(tok, texts)
-    sampler = make_sampler(model, tok, num_slots=2, max_len=16, top_k=1)
+    # cudagraphs on a CPU: the same step behind the shape guard (no graph), as a CPU run of --cudagraphs does
+    sampler = make_sampler(model, tok, num_slots=2, max_len=16, top_k=1, cudagraphs=True)
     batch = sampler.make_batch(len(texts))
     stats = sampler.fill(batch, iter(prompts), group_size=1, carry_over=False)
     assert stats["prefills"] == len(texts)
