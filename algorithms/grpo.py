@@ -9,10 +9,11 @@ Depends on: leanrl (accelerate, make_adam, Logger, checkpoints, leanrl.llm's mod
 tensordict, transformers, tqdm; a task with `problem(index, seed)` and `score(problem, text)` (envs/llm_tasks.py).
 """
 
+import contextlib
 import hashlib
-import itertools
 import json
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -253,6 +254,7 @@ def batch_metrics(batch, data, rewards, live, version, group_size, max_lag) -> d
            "charts/zero_variance_groups": (~live).float().sum() / group_size,
            "charts/ess": w.sum() ** 2 / (w.numel() * (w ** 2).sum()).clamp(min=1e-12),
            "charts/kl_to_sampler": (w - log_w - 1).mean(),
+           "lag/token_max": token_lag.max(), "lag/token_min": token_lag.min(),
            "charts/train_infer_mismatch": ((data["proximal_logprobs"] - batch["logprobs"]).abs() * current).sum()
            / current.sum().clamp(min=1)}
     # Lags beyond max_lag cannot happen (the pipeline's admission control); clamped only to keep the shape fixed.
@@ -399,6 +401,20 @@ def make_logger(args: Args, run_dir: str, num_iterations: int, iteration: int) -
                          run_name=os.path.basename(run_dir), start_step=iteration * B, progress=args.progress)
 
 
+@contextlib.contextmanager
+def checkpoint_on_interrupt(path: str, state_fn):
+    """Ctrl-C or SIGTERM: save a checkpoint (resume with --resume path), then re-raise."""
+    previous = leanrl.raise_on_sigterm()
+    try:
+        yield
+    except KeyboardInterrupt:
+        leanrl.save_checkpoint(path, state_fn())
+        print(f"interrupted; checkpoint saved (resume with --resume {path})")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def restore(learner: Learner, state: dict):
     """Weights and optimizer in place (before any capture), keeping the optimizer's tensor learning rate."""
     learner.model.load_state_dict(state["model"])
@@ -434,7 +450,7 @@ def train(args: Args) -> dict:
                     next_prompt=prompts.next_index)
 
     logger = make_logger(args, run_dir, num_iterations, iteration)
-    with leanrl.save_on_interrupt(checkpoint_path, state):
+    with checkpoint_on_interrupt(checkpoint_path, state):
         try:
             while iteration < num_iterations:
                 # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.

@@ -182,3 +182,113 @@ def test_compiled_update_equals_eager_after_k_steps():
         results.append((_params(model), torch.stack([metrics[k] for k in grpo.UPDATE_METRICS])))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kw, message", [
+    (dict(group_size=1), "--group-size 1"),
+    (dict(num_prompts=3, group_size=4, micro_batch=8), "must split into"),
+    (dict(temperature=0.0), "--temperature 0.0"),
+    (dict(total_timesteps=10), "less than one batch"),
+])
+def test_bad_settings_fail_before_anything_is_built(kw, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        grpo.train(grpo.Args(run_dir=str(tmp_path), compile=True, **kw))
+    assert not (tmp_path / "warm_start").exists()  # nothing built, nothing compiled
+
+
+def test_async_bad_settings_are_clear_errors(tmp_path):
+    from leanrl.algorithms import grpo_async
+    with pytest.raises(ValueError, match="--deterministic needs --transport processes"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
+    with pytest.raises(ValueError, match="--correction none: that is async PPO's flag"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, correction="none"))
+
+
+def test_a_model_directory_missing_files_fails_before_any_compile(tmp_path):
+    with pytest.raises(ValueError, match="missing"):
+        grpo.train(grpo.Args(run_dir=str(tmp_path), model_path=str(tmp_path / "missing"), compile=True))
+
+
+# ---------------------------------------------------------------------------- runs
+SMALL = dict(num_prompts=8, group_size=4, micro_batch=16, max_len=40, max_prompt_len=24, num_slots=16, sft_steps=20,
+             sft_batch=16, progress=False, log_every=1, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One run directory per module: the tiny model and its warm start are built once, cached in warm_start/."""
+    return str(tmp_path_factory.mktemp("grpo"))
+
+
+def _rows(run_dir, exp_name):
+    import glob
+    import json
+    (path,) = glob.glob(f"{run_dir}/*__{exp_name}__*/metrics.jsonl")
+    return [json.loads(line) for line in open(path)], path.rsplit("/", 1)[0]
+
+
+METRICS = ["charts/reward_mean", "charts/solve_rate", "charts/response_length_mean", "charts/response_length_p90",
+           "charts/response_length_max", "perf/sampled_tokens_per_s", "perf/trained_tokens_per_s", "lag/token_hist_0",
+           "lag/sequence_hist_0", "charts/ess", "losses/kl", "losses/clipfrac", "losses/entropy",
+           "charts/train_infer_mismatch", "charts/zero_variance_groups"]
+
+
+def test_sync_run_logs_every_metric_checkpoints_and_resumes(run_dir):
+    args = grpo.Args(run_dir=run_dir, exp_name="sync", total_timesteps=3 * 32, checkpoint_every=2, **SMALL)
+    last = grpo.train(args)
+    rows, path = _rows(run_dir, "sync")
+    assert len(rows) == 3 and all(k in rows[-1] for k in METRICS)
+    assert rows[-1]["charts/train_infer_mismatch"] < 1e-4  # the sampler and the trainer score tokens alike
+    assert rows[-1]["lag/token_max"] == 0 and rows[-1]["charts/ess"] > 0.999  # sync: every token on-policy
+    state = torch.load(f"{path}/checkpoint.pt", weights_only=False)
+    assert state["iteration"] == 3 and state["next_prompt"] >= 3 * 8
+    resumed = grpo.train(grpo.Args(**{**vars(args), "total_timesteps": 5 * 32, "resume": f"{path}/checkpoint.pt"}))
+    rows, _ = _rows(run_dir, "sync")
+    assert [r["global_step"] for r in rows] == [32, 64, 96, 128, 160]
+    assert all(k in resumed for k in METRICS) and all(k in last for k in METRICS)
+
+
+def delayed_collector(delay_seed, ctx, *fn_args):
+    """grpo_async's collector with a random sleep before each decode step (seeded per run and rank)."""
+    import time
+    from leanrl.algorithms import grpo_async
+    rng = random.Random(delay_seed * 100 + ctx.rank)
+    step_boundary = ctx.step_boundary
+
+    def slow_step_boundary():
+        time.sleep(rng.uniform(0, 0.004))
+        return step_boundary()
+
+    ctx.step_boundary = slow_step_boundary
+    grpo_async.grpo_collector(ctx, *fn_args)
+
+
+@pytest.mark.parametrize("max_lag", [0, 2])
+def test_async_never_exceeds_max_lag_on_any_token_under_random_delays(max_lag, run_dir):
+    import functools
+    from leanrl.algorithms import grpo_async
+    args = grpo_async.Args(run_dir=run_dir, exp_name=f"lag{max_lag}", total_timesteps=6 * 32, async_=True,
+                           max_lag=max_lag, num_collectors=2, **SMALL)
+    grpo_async.train(args, collector=functools.partial(delayed_collector, max_lag))
+    rows, _ = _rows(run_dir, f"lag{max_lag}")
+    assert len(rows) == 6
+    for r in rows:
+        assert 0 <= r["lag/token_min"] <= r["lag/token_max"] <= max_lag
+        assert sum(r[f"lag/sequence_hist_{k}"] for k in range(max_lag + 1)) == 32
+    if max_lag:  # in-flight updates happened: some tokens were sampled by older weights than the trainer's
+        assert max(r["lag/token_max"] for r in rows) >= 1
+
+
+def test_deterministic_async_is_bitwise_reproducible_under_different_delays(run_dir):
+    import functools
+    from leanrl.algorithms import grpo_async
+    params = []
+    for delay_seed in (1, 2):
+        args = grpo_async.Args(run_dir=run_dir, exp_name=f"det{delay_seed}", total_timesteps=4 * 32, async_=True,
+                               max_lag=1, num_collectors=2, deterministic=True, transport="processes", **SMALL)
+        grpo_async.train(args, collector=functools.partial(delayed_collector, delay_seed))
+        _, path = _rows(run_dir, f"det{delay_seed}")
+        params.append(torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"])
+    for k in params[0]:
+        assert torch.equal(params[0][k], params[1][k]), k

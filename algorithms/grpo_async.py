@@ -1,0 +1,127 @@
+"""Async GRPO (`--async`): collectors sample while the trainer trains, PipelineRL style.
+
+Each collector owns a copy of the model and a Sampler over it. Between two decode steps the sampler calls
+`ctx.step_boundary()`, which copies the newest published weights into the sampler's own weights in place (an
+in-flight update: running sequences continue, their KV kept or, with `--recompute-kv`, recomputed) and returns
+the version every token of that step is tagged with. Admission control (`--max-lag`) and the sampler's
+`min_version` (a sequence holding an older token restarts) bound every token's lag; the trainer consumes batches
+in order, corrects the staleness with GRPO's `--loss` (decoupled PPO by default) and publishes after each update.
+`--deterministic`: batch i is sampled by version i - max_lag exactly, no sequence outlives its batch, so the run
+is bitwise reproducible whatever the speeds.
+
+Depends on: algorithms/grpo.py (its math, model and update), leanrl.pipeline, and what grpo.py depends on.
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tensordict import from_module
+
+import leanrl
+import leanrl.pipeline
+from leanrl.algorithms import grpo
+from leanrl.pipeline import AsyncArgs, check_settings
+
+STATS = ("sampled_tokens", "time_s", "dropped", "slot_utilization")
+
+
+@dataclass
+class Args(grpo.Args, AsyncArgs):
+    loss: Literal["clip", "truncated_is", "decoupled"] = "decoupled"
+    """clipped ratio to the sampler's log-probs (naive on stale data), truncated-IS REINFORCE on them
+    (PipelineRL), or decoupled PPO with the trainer's proximal log-probs (AReaL)"""
+    recompute_kv: bool = False
+    """after an in-flight update, recompute the running sequences' KV cache with the new weights (AReaL);
+    default: keep it (PipelineRL)"""
+
+
+def check_args(args: Args):
+    grpo.check_args(args)
+    check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
+    if args.correction != AsyncArgs.correction:
+        raise ValueError(f"--correction {args.correction}: that is async PPO's flag; GRPO corrects staleness with "
+                         "--loss clip | truncated_is | decoupled")
+
+
+def batch_template(sampler, args: Args):
+    """A sampler batch plus what a collector adds: the rewards and its sampler's statistics (per row, so the
+    batch keeps one batch dimension)."""
+    batch = sampler.make_batch(args.num_prompts * args.group_size)
+    batch["rewards"] = torch.zeros(batch.shape, device=batch.device)
+    batch["sampler_stats"] = torch.zeros(*batch.shape, len(STATS), dtype=torch.float64, device=batch.device)
+    return batch
+
+
+def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int):
+    """A collector role: its own model copy and Sampler; fills each admitted batch slot, scores it, sends it."""
+    leanrl.seed_everything(args.seed + 1 + ctx.rank, args.torch_deterministic)
+    task, model, tokenizer, _ = grpo.load_policy(args, device, model_dir)
+    sampler = grpo.make_sampler(model, tokenizer, args,
+                                recompute_kv=args.recompute_kv, seed=args.seed + 1 + ctx.rank)
+    # Collector r samples prompts offset + r, offset + r + n, ...: streams never overlap and are the same every run.
+    prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + ctx.rank, stride=args.num_collectors)
+    for batch in ctx.batches(sampler.params, batch_template(sampler, args)):
+        stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=ctx.step_boundary,
+                             min_version=ctx.min_version, carry_over=not args.deterministic)
+        host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
+        batch["rewards"].copy_(grpo.score(task, tokenizer, host, args.seed))
+        batch["sampler_stats"].copy_(torch.tensor([stats[k] for k in STATS], dtype=torch.float64))
+
+
+def train(args: Args, collector=grpo_collector) -> dict:
+    """The trainer role: prepares the model (the collectors load the same directory), starts the collectors,
+    then consumes, updates, publishes, logs and checkpoints. Returns the last logged metrics."""
+    check_args(args)
+    device = leanrl.resolve_device(args.device)
+    leanrl.seed_everything(args.seed, args.torch_deterministic)
+    task, model, tokenizer, model_dir = grpo.load_policy(args, device)
+    learner = grpo.Learner(model, args, device, max_lag=args.max_lag)
+    B = args.num_prompts * args.group_size
+    num_iterations = args.total_timesteps // B
+    run_dir = leanrl.make_run_dir(args, f"grpo-{args.task}")
+    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    iteration = 0
+    if args.resume:  # the learner resumes exactly; collectors draw fresh prompts
+        state = leanrl.load_checkpoint(args.resume)
+        grpo.restore(learner, state)
+        iteration = state["iteration"]
+
+    def state():
+        return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration)
+
+    collector_device = device if args.transport == "threads" else torch.device("cpu")
+    template = batch_template(grpo.make_sampler(model, tokenizer, args, num_slots=1), args)
+    logger = grpo.make_logger(args, run_dir, num_iterations, iteration)
+    sampled_tokens, t_start = 0.0, time.perf_counter()
+    with grpo.checkpoint_on_interrupt(checkpoint_path, state), leanrl.pipeline.start(
+            args.transport, args.num_collectors, collector, (args, model_dir, collector_device, iteration * B),
+            template, from_module(model).data, max_lag=args.max_lag, deterministic=args.deterministic,
+            publish_every=args.publish_every) as trainer:
+        try:
+            while iteration < num_iterations:
+                batch = trainer.next_batch().to(device)
+                t0 = time.perf_counter()
+                metrics = learner.update(batch, batch["rewards"], trainer.version)
+                grpo.synchronize(device)
+                update_time = time.perf_counter() - t0
+                trainer.publish()
+                stats = dict(zip(STATS, batch["sampler_stats"][0].tolist()))
+                sampled_tokens += stats["sampled_tokens"]
+                metrics.update({"perf/sampled_tokens_per_s": sampled_tokens / (time.perf_counter() - t_start),
+                                "perf/trained_tokens_per_s": float(batch["completion_length"].sum()) / update_time,
+                                "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
+                                "perf/update_time": update_time, **trainer.stats.summary()})
+                logger.record(metrics)
+                iteration += 1
+                logger.end_iteration(iteration * B)
+                if iteration % args.log_every == 0 or iteration == num_iterations:
+                    logger.flush()
+                if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                    leanrl.save_checkpoint(checkpoint_path, state())
+        finally:
+            logger.close()
+    leanrl.save_checkpoint(checkpoint_path, state())
+    return logger.last
