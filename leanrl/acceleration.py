@@ -7,10 +7,14 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import CudaGraphModule
 
+# Calls before the steady state: CudaGraphModule's warm-up calls before capture (the first one compiles), and the
+# Logger's burn-in iterations before its SPS clock starts. Read everywhere from here.
+WARMUP = 2
+
 _warned_no_cuda = False
 
 
-def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = 2,
+def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = WARMUP,
                compile_mode: str | None = None, name: str | None = None):
     """Return `fn` compiled and/or captured in a CUDA graph; the only place the repo does either.
 
@@ -37,6 +41,20 @@ def make_adam(params, lr: float, *, compile: bool, cudagraphs: bool, device, **k
     without compile need `capturable`."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), capturable=cudagraphs and not compile,
                             fused=not compile, **kwargs)
+
+
+def wrap_flags(args, device) -> dict:
+    """The acceleration keywords of `accelerate` and `make_adam`, from a run's `--compile` / `--cudagraphs`."""
+    return dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore an optimizer made by `make_adam` in place (before any capture), keeping its tensor learning rate
+    object (a captured graph reads its address) and copying the saved rate into it."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr.copy_(group["lr"])
 
 
 def _say_no_cuda_once():

@@ -1,8 +1,10 @@
 """Checkpoints that resume a run exactly: state plus every RNG the run draws from."""
 
+import contextlib
 import os
 import random
 import signal
+import threading
 
 import numpy as np
 import torch
@@ -46,3 +48,21 @@ def raise_on_sigterm():
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     return signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def save_on_interrupt(path: str, state_fn):
+    """Inside it, SIGTERM raises KeyboardInterrupt; on Ctrl-C or SIGTERM, save `state_fn()` at `path`, say how to
+    resume, and re-raise. The previous SIGTERM handler is restored on exit. (Signals reach only the main
+    thread: elsewhere, e.g. in a collector thread, it only saves on a KeyboardInterrupt raised inside.)"""
+    main = threading.current_thread() is threading.main_thread()
+    previous = raise_on_sigterm() if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        save_checkpoint(path, state_fn())
+        print(f"interrupted; checkpoint saved (resume with --resume {path})")
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)

@@ -4,21 +4,24 @@ import json
 import math
 import os
 import time
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
+
+from leanrl.acceleration import WARMUP
 
 
 class Logger:
     """Collects episode statistics and losses as device tensors; `flush` reads them in one transfer
     and writes them to a tqdm bar, `metrics.jsonl` in the run directory, and wandb when tracked.
 
-    SPS is counted only after `burn_in` iterations, so compile and capture time never dilute it;
+    SPS is counted only after `burn_in` iterations (`leanrl.WARMUP` by default), so compile and capture time never dilute it;
     that time is reported on its own as `perf/warmup_time`.
     """
 
     def __init__(self, run_dir, config: dict, total_steps: int, *, track=False, wandb_mode="offline",
-                 wandb_project="leanrl", wandb_entity=None, run_name=None, burn_in: int = 2, start_step: int = 0,
+                 wandb_project="leanrl", wandb_entity=None, run_name=None, burn_in: int = WARMUP, start_step: int = 0,
                  progress=True):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
@@ -39,6 +42,14 @@ class Logger:
             import wandb
             self.wandb = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config,
                                     dir=run_dir, mode=wandb_mode, resume="allow")
+
+    @classmethod
+    def from_args(cls, args, run_dir: str, total_steps: int, start_step: int = 0, **kwargs) -> "Logger":
+        """A Logger configured by a run's `RunArgs` fields (tracking, progress bar), its config the args."""
+        return cls(run_dir, asdict(args), total_steps, track=args.track, wandb_mode=args.wandb_mode,
+                   wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
+                   run_name=os.path.basename(os.path.normpath(run_dir)), start_step=start_step,
+                   progress=args.progress, **kwargs)
 
     def record_episodes(self, done: torch.Tensor, episode_return: torch.Tensor, episode_length: torch.Tensor):
         """Accumulate ended episodes on the device; safe inside the hot loop."""

@@ -2,15 +2,14 @@
 
 import os
 import random
-import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from leanrl.checkpoint import load_checkpoint, raise_on_sigterm, save_checkpoint
+from leanrl.checkpoint import load_checkpoint, save_checkpoint, save_on_interrupt
 from leanrl.logger import Logger
 
 
@@ -89,43 +88,27 @@ def mode_name(args: RunArgs) -> str:
     return "+".join(parts) or "eager"
 
 
-def config_dict(args) -> dict:
-    return asdict(args)
-
-
 def run(algo, args: RunArgs):
-    """The loop every algorithm shares: resume or start, iterate, log at boundaries, checkpoint every
-    `checkpoint_every` iterations, at the end, and on Ctrl-C / SIGTERM. Returns `algo`, with the last
-    logged values in `algo.logged`.
-
-    `algo` provides `iteration`, `num_iterations`, `global_step`, `reset(seed)`, `train_iteration(logger)`
-    (which records its metrics and ended episodes on the logger), `state_dict()` and `load_state_dict()`.
-    """
+    """Deprecated: the loop TD3, SAC and DQN still share until they own theirs (issue 9); new code writes its own
+    loop with `Logger`, `save_checkpoint` and `save_on_interrupt`."""
     run_dir = make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     if args.resume:
         algo.load_state_dict(load_checkpoint(args.resume))
     else:
         algo.reset(args.seed)
-    logger = Logger(run_dir, config_dict(args), args.total_timesteps, track=args.track, wandb_mode=args.wandb_mode,
-                    wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
-                    run_name=os.path.basename(run_dir), start_step=algo.global_step, progress=args.progress)
-    previous_sigterm = raise_on_sigterm()
+    logger = Logger.from_args(args, run_dir, args.total_timesteps, start_step=algo.global_step)
     try:
-        while algo.iteration < algo.num_iterations:
-            algo.train_iteration(logger)
-            logger.end_iteration(algo.global_step)
-            if algo.iteration % args.log_every == 0 or algo.iteration == algo.num_iterations:
-                logger.flush()
-            if args.checkpoint_every and algo.iteration % args.checkpoint_every == 0:
-                save_checkpoint(ckpt_path, algo.state_dict())
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what was learned
-        save_checkpoint(ckpt_path, algo.state_dict())
-        print(f"interrupted; checkpoint saved (resume with --resume {ckpt_path})")
-        raise
+        with save_on_interrupt(ckpt_path, algo.state_dict):
+            while algo.iteration < algo.num_iterations:
+                algo.train_iteration(logger)
+                logger.end_iteration(algo.global_step)
+                if algo.iteration % args.log_every == 0 or algo.iteration == algo.num_iterations:
+                    logger.flush()
+                if args.checkpoint_every and algo.iteration % args.checkpoint_every == 0:
+                    save_checkpoint(ckpt_path, algo.state_dict())
     finally:
         logger.close()
-        signal.signal(signal.SIGTERM, previous_sigterm)
     save_checkpoint(ckpt_path, algo.state_dict())
     algo.logged = logger.last
     return algo

@@ -103,3 +103,41 @@ def test_checkpoint_round_trip_restores_rng(tmp_path):
 def test_resume_from_a_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         leanrl.load_checkpoint(str(tmp_path / "nope.pt"))
+
+
+def test_save_on_interrupt_saves_on_sigterm_reraises_and_restores_the_handler(tmp_path, capsys):
+    import signal
+    path = str(tmp_path / "ckpt.pt")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with leanrl.save_on_interrupt(path, lambda: {"step": 3}):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert leanrl.load_checkpoint(path)["step"] == 3
+    assert f"--resume {path}" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before
+    with leanrl.save_on_interrupt(str(tmp_path / "other.pt"), lambda: {}):
+        pass  # no interrupt: nothing saved
+    assert not os.path.exists(tmp_path / "other.pt") and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_warmup_is_read_by_accelerate_and_the_logger(tmp_path):
+    import inspect
+    assert inspect.signature(leanrl.accelerate).parameters["warmup"].default == leanrl.WARMUP
+    logger = leanrl.Logger(str(tmp_path), {}, total_steps=10, progress=False)
+    assert logger.burn_in == leanrl.WARMUP
+    logger.close()
+
+
+def test_load_optimizer_state_keeps_the_tensor_learning_rate():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = leanrl.make_adam([w], 1e-3, compile=False, cudagraphs=False, device="cpu")
+    lr = opt.param_groups[0]["lr"]
+    w.sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = torch.tensor(5e-4)
+    fresh = leanrl.make_adam([w], 1e-3, compile=False, cudagraphs=False, device="cpu")
+    fresh_lr = fresh.param_groups[0]["lr"]
+    leanrl.load_optimizer_state(fresh, saved)
+    assert fresh.param_groups[0]["lr"] is fresh_lr and float(fresh_lr) == pytest.approx(5e-4)
+    assert torch.equal(fresh.state[w]["exp_avg"], opt.state[w]["exp_avg"]) and lr is not fresh_lr
