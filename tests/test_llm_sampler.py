@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from leanrl.llm import char_tokenizer, load_model, save_tiny_model
+from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
 ALPHABET = "0123456789+-*= abcdefghij\n"
 
@@ -66,7 +66,6 @@ def test_load_model_errors(tokenizer, tmp_path):
 
 # ---- the sampler ----
 
-from leanrl.llm import Sampler  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 PROMPTS = ["1+1=", "22+3=", "a", "bb\n", "9*9=", "ccc", "12-7=", "j"]

@@ -63,7 +63,8 @@ class Sampler:
         # The weights: aliases of the model's own tensors (same storage), never copies.
         self.params = from_module(model).data
         base = model.model
-        self.embed, self.norm, self.lm_head = base.embed_tokens.weight.data, base.norm.weight.data, model.lm_head.weight.data
+        self.embed, self.norm = base.embed_tokens.weight.data, base.norm.weight.data
+        self.lm_head = model.lm_head.weight.data  # the embedding itself when tied (SmolLM2)
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
