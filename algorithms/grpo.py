@@ -31,7 +31,7 @@ from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 class Args(leanrl.RunArgs):
     exp_name: str = "grpo"
     """the name of this experiment (prefix of the run directory)"""
-    total_timesteps: int = 20_480
+    total_timesteps: int = 12_800
     """total completions sampled (iterations = total_timesteps // (num_prompts * group_size))"""
     checkpoint_every: int = 20
     """save a checkpoint every this many iterations (0: only at exit)"""
@@ -47,7 +47,7 @@ class Args(leanrl.RunArgs):
     """layers of the tiny model"""
     tiny_hidden: int = 64
     """hidden size of the tiny model"""
-    num_prompts: int = 32
+    num_prompts: int = 16
     """prompts per batch"""
     group_size: int = 8
     """G: completions sampled per prompt (one group)"""
@@ -63,13 +63,13 @@ class Args(leanrl.RunArgs):
     """nucleus sampling threshold (1: off)"""
     top_k: int = 0
     """top-k sampling (0: off)"""
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-4
     """Adam learning rate of the policy"""
-    update_epochs: int = 1
+    update_epochs: int = 2
     """passes over each batch"""
-    num_minibatches: int = 1
+    num_minibatches: int = 4
     """optimizer steps per pass (each one accumulates gradients over micro-batches)"""
-    micro_batch: int = 64
+    micro_batch: int = 32
     """sequences per forward/backward: fixed shape [micro_batch, max_len]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
@@ -90,7 +90,7 @@ class Args(leanrl.RunArgs):
     """token-level loss over the batch: mean over tokens, mean of per-sequence means, or sum / (batch * max_len)"""
     kl_coef: float = 0.0
     """weight of the k3 KL to a frozen copy of the initial policy (0: no reference model)"""
-    sft_steps: int = 300
+    sft_steps: int = 100
     """supervised warm-start steps on the task's demonstrations (0: none); cached under run_dir/warm_start"""
     sft_batch: int = 64
     """sequences per warm-start step"""
