@@ -43,15 +43,19 @@ class VLLMSampler:
     _write = Sampler._write
 
     def __init__(self, model_dir: str, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
-                 temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, seed: int = 0, params=None,
+                 temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, seed: int = 0,
+                 max_prompt_len: int | None = None, params=None,
                  dtype: str = "float32", kv_cache_memory_bytes: int | None = 64 << 20, **engine_kwargs):
         """`model_dir`: a local model directory (config.json, safetensors, tokenizer files), e.g. from
         `save_tiny_model`. `params`: the TensorDict of weights the engine follows (`from_module(model).data` of the
-        trainer's model, HF names); by default the weights of `model_dir`, loaded once. `engine_kwargs` go to
+        trainer's model, HF names); by default the weights of `model_dir`, loaded once. `max_prompt_len` (default
+        `max_len - 1`): the longest prompt accepted, as the built-in sampler's. `engine_kwargs` go to
         `vllm.LLM` (e.g. `gpu_memory_utilization` on a GPU, with `kv_cache_memory_bytes=None`)."""
         vllm = _import_vllm()
-        if num_slots < 1 or max_len < 2:
-            raise ValueError(f"num_slots={num_slots}, max_len={max_len}: need num_slots >= 1 and max_len >= 2")
+        max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
+        if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
+            raise ValueError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
+                             "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
         if not 0 < top_p <= 1 or top_k < 0:
@@ -76,7 +80,7 @@ class VLLMSampler:
         missing = self._names - set(params.flatten_keys(".").keys())
         if missing:
             raise ValueError(f"params: no tensor for the checkpoint's {sorted(missing)[:5]} (not this model's?)")
-        self.num_slots, self.max_len, self.max_prompt_len = num_slots, max_len, max_len - 1
+        self.num_slots, self.max_len, self.max_prompt_len = num_slots, max_len, max_prompt_len
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.recompute_kv, self.device = recompute_kv, torch.device("cpu")
         self._arange_l = torch.arange(max_len)
