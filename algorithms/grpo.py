@@ -9,13 +9,11 @@ Depends on: leanrl (accelerate, make_adam, Logger, checkpoints, leanrl.llm's mod
 tensordict, transformers, tqdm; a task with `problem(index, seed)` and `score(problem, text)` (envs/llm_tasks.py).
 """
 
-import contextlib
 import hashlib
 import json
 import os
-import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -199,10 +197,9 @@ class Learner:
             self.reference = type(model)(model.config).to(device=device, dtype=model.dtype).eval()
             self.reference.load_state_dict(model.state_dict())
             self.reference.requires_grad_(False)
-        self.optimizer = leanrl.make_adam(model.parameters(), args.learning_rate, compile=args.compile,
-                                          cudagraphs=args.cudagraphs, device=device)
+        wrap = leanrl.wrap_flags(args, device)
+        self.optimizer = leanrl.make_adam(model.parameters(), args.learning_rate, **wrap)
         micro_step, optimizer_step, logprobs, ref_logprobs = make_update(model, self.reference, self.optimizer, args)
-        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)
         self.micro_step = leanrl.accelerate(micro_step, name="micro_step", **wrap)
         self.optimizer_step = leanrl.accelerate(optimizer_step, name="optimizer_step", **wrap)
         self.logprobs = leanrl.accelerate(logprobs, name="logprobs", **wrap)
@@ -222,6 +219,7 @@ class Learner:
                           advantages=adv, weights=token_weights(mask, seq_weight, args.aggregation),
                           batch_size=batch.batch_size)
         data["proximal_logprobs"] = self._per_micro_batch(self.logprobs, data["tokens"])
+        # Without a reference model, losses/kl measures how far the update moved from the pre-update policy.
         data["ref_logprobs"] = (self._per_micro_batch(self.ref_logprobs, data["tokens"]) if self.reference
                                 else data["proximal_logprobs"])
         sums = torch.zeros(len(UPDATE_METRICS) + 1, device=self.device)
@@ -394,33 +392,10 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def make_logger(args: Args, run_dir: str, num_iterations: int, iteration: int) -> leanrl.Logger:
-    B = args.num_prompts * args.group_size
-    return leanrl.Logger(run_dir, asdict(args), num_iterations * B, track=args.track, wandb_mode=args.wandb_mode,
-                         wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
-                         run_name=os.path.basename(run_dir), start_step=iteration * B, progress=args.progress)
-
-
-@contextlib.contextmanager
-def checkpoint_on_interrupt(path: str, state_fn):
-    """Ctrl-C or SIGTERM: save a checkpoint (resume with --resume path), then re-raise."""
-    previous = leanrl.raise_on_sigterm()
-    try:
-        yield
-    except KeyboardInterrupt:
-        leanrl.save_checkpoint(path, state_fn())
-        print(f"interrupted; checkpoint saved (resume with --resume {path})")
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def restore(learner: Learner, state: dict):
-    """Weights and optimizer in place (before any capture), keeping the optimizer's tensor learning rate."""
+    """Weights and optimizer in place, before any capture."""
     learner.model.load_state_dict(state["model"])
-    lr = learner.optimizer.param_groups[0]["lr"]
-    learner.optimizer.load_state_dict(state["optimizer"])
-    learner.optimizer.param_groups[0]["lr"] = lr.copy_(learner.optimizer.param_groups[0]["lr"])
+    leanrl.load_optimizer_state(learner.optimizer, state["optimizer"])
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -449,8 +424,8 @@ def train(args: Args) -> dict:
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration,
                     next_prompt=prompts.next_index)
 
-    logger = make_logger(args, run_dir, num_iterations, iteration)
-    with checkpoint_on_interrupt(checkpoint_path, state):
+    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B)
+    with leanrl.save_on_interrupt(checkpoint_path, state):
         try:
             while iteration < num_iterations:
                 # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.

@@ -94,9 +94,9 @@ def train(args: Args, collector=grpo_collector) -> dict:
 
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     template = batch_template(grpo.make_sampler(model, tokenizer, args, num_slots=1), args)
-    logger = grpo.make_logger(args, run_dir, num_iterations, iteration)
+    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B)
     sampled_tokens, t_start = 0.0, time.perf_counter()
-    with grpo.checkpoint_on_interrupt(checkpoint_path, state), leanrl.pipeline.start(
+    with leanrl.save_on_interrupt(checkpoint_path, state), leanrl.pipeline.start(
             args.transport, args.num_collectors, collector, (args, model_dir, collector_device, iteration * B),
             template, from_module(model).data, max_lag=args.max_lag, deterministic=args.deterministic,
             publish_every=args.publish_every) as trainer:

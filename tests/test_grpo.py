@@ -326,3 +326,19 @@ def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir
     after = _solve_rate(args, torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"])
     print(f"{mode}: solve rate {before:.3f} -> {after:.3f}")
     assert after >= before + 0.06, (before, after)  # measured: 0.17 -> 0.29 (sync), 0.17 -> 0.30 (async, lag 2)
+
+
+@pytest.mark.parametrize("flags", [[], ["--async", "--max-lag", "1"]])
+def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    small = ["--num-prompts", "8", "--group-size", "4", "--micro-batch", "8", "--sft-steps", "20", "--sft-batch", "16"]
+    cmd = [sys.executable, os.path.join(root, "scripts", "grpo_arith.py"), *small, *flags, "--total-timesteps", "64",
+           "--run-dir", run_dir, "--exp-name", f"script{len(flags)}", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, path = _rows(run_dir, f"script{len(flags)}")
+    assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
+    assert os.path.isfile(f"{path}/checkpoint.pt")
