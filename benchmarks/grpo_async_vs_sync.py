@@ -105,14 +105,15 @@ def main(bench: Bench):
              f"commit {machine['commit']})", "",
              f"{bench.iterations} batches of {base.num_prompts} prompts x {base.group_size}; async: {bench.transport}, "
              f"{bench.num_collectors} collector(s), max_lag {bench.max_lag}; torch threads {bench.threads}.", "",
-             "| variant | loss | trained tokens/s | time to solve rate " + f"{bench.target} | train solve rate (last 5) "
+             f"| variant | loss | trained tokens/s | time to solve rate {bench.target} | train solve rate (last 5) "
              "| held-out solve rate | token lag histogram | trainer idle | collector idle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         hit = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
+        idle = [r.get(k, float("nan")) for k in ("trainer_idle_frac", "collector_idle_frac")]
         lines.append(f"| {name} | {r['loss']} | {r['trained_tokens_per_s']:.0f} | {hit} | "
                      f"{r['final_train_solve_rate']:.3f} | {r['held_out_solve_rate']:.3f} | {r['token_lag_hist']} | "
-                     f"{r.get('trainer_idle_frac', float('nan')):.2f} | {r.get('collector_idle_frac', float('nan')):.2f} |")
+                     f"{idle[0]:.2f} | {idle[1]:.2f} |")
     lines += ["", f"Async / sync trained tokens per second: {speedup:.2f}x."]
     with open(os.path.join(out, "grpo_async_vs_sync.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
