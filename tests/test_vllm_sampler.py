@@ -154,3 +154,6 @@ def test_bad_input(setup, tmp_path):
                     top_p=0.9)
     with pytest.raises(ValueError, match="no config.json"):
         VLLMSampler(str(tmp_path), num_slots=2, max_len=8, eos_token_id=1, pad_token_id=0)
+    small = save_tiny_model(str(tmp_path / "small"), tok, hidden_size=64, num_heads=4)
+    with pytest.raises(ValueError, match="head_dim 16"):
+        VLLMSampler(small, num_slots=2, max_len=8, eos_token_id=1, pad_token_id=0)

@@ -12,6 +12,7 @@ vLLM's own reload path (on a CPU, vLLM repacks linear weights at load time: copy
 in place would silently do nothing). Nothing goes through the file system.
 """
 
+import json
 import os
 import time
 from collections import deque
@@ -52,6 +53,7 @@ class VLLMSampler:
         `max_len - 1`): the longest prompt accepted, as the built-in sampler's. `engine_kwargs` go to
         `vllm.LLM` (e.g. `gpu_memory_utilization` on a GPU, with `kv_cache_memory_bytes=None`)."""
         vllm = _import_vllm()
+        from vllm.platforms import current_platform
         max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
         if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
             raise ValueError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
@@ -70,6 +72,11 @@ class VLLMSampler:
                              "no top-p/top-k")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ValueError(f"model_dir={model_dir!r}: no config.json (a local model directory is needed)")
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        if head_dim < 32 and current_platform.is_cpu():
+            raise ValueError(f"model_dir={model_dir!r}: head_dim {head_dim}; vLLM's CPU attention needs >= 32")
         if params is None:
             model, _ = load_model(model_dir)
             params = from_module(model).data
