@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from leanrl.algorithms import ppo  # noqa: E402
+from leanrl.algorithms import ppo, ppo_async  # noqa: E402
 from leanrl.envs import make_env  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,13 +94,13 @@ def run_one(b: Bench, variant: str, seed: int) -> dict:
     run_dir = tempfile.mkdtemp(prefix="async_vs_sync_")
     control = variant == CONTROL
     transport = "processes" if control else variant.removeprefix("async-") if variant != "sync" else "threads"
-    args = ppo.Args(**common, run_dir=run_dir, async_=variant != "sync", num_collectors=b.num_collectors,
-                    max_lag=0 if control else b.max_lag, correction=b.correction, transport=transport)
+    args = ppo_async.Args(**common, run_dir=run_dir, async_=variant != "sync", num_collectors=b.num_collectors,
+                          max_lag=0 if control else b.max_lag, correction=b.correction, transport=transport)
     t0 = time.perf_counter()
     if variant == "sync":
         algo = ppo.train(args, make_envs(seed=seed), torch.device("cpu"))
     else:
-        algo = ppo.train_async(args, make_envs, torch.device("cpu"))
+        algo = ppo_async.train(args, make_envs, make_env("torch/CartPole-v1", 1), torch.device("cpu"))
     wall = time.perf_counter() - t0
     curve = [(r["global_step"], r["charts/episodic_return"]) for r in rows(run_dir) if "charts/episodic_return" in r]
     returns = [v for _, v in curve]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .common import to_device
+from leanrl.gym_adapter import to_device
 
 try:
     from ale_py import roms
@@ -23,6 +23,7 @@ except ImportError as e:
 
 class AtariEnv:
     obs_dtype = torch.uint8
+    on_device = False  # stepped on the host
 
     def __init__(self, game: str, num_envs: int, device="cpu", seed: int = 0,
                  episodic_life: bool = True, sticky_actions: bool = False, **ale_kwargs):

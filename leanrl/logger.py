@@ -120,6 +120,12 @@ class Logger:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
         self.pbar.close()
         self.jsonl.close()

@@ -1,46 +1,26 @@
 """PPO on MuJoCo (CleanRL's ppo_continuous_action.py defaults): `python scripts/ppo_continuous.py --compile`."""
 
 import functools
-from dataclasses import dataclass
 
 import tyro
 
-from leanrl.algorithms import ppo
-from leanrl.envs import make_env
 from leanrl import resolve_device
+from leanrl.algorithms import ppo, ppo_async
+from leanrl.envs import make_env
 
-
-@dataclass
-class Args(ppo.Args):
-    exp_name: str = "ppo_continuous"
-    """the name of this experiment (prefix of the run directory)"""
-    env_id: str = "HalfCheetah-v5"
-    """a gymnasium continuous-control id, e.g. `HalfCheetah-v5`, `Hopper-v5`, `Walker2d-v5`"""
-    total_timesteps: int = 1_000_000
-    """total environment steps of the experiment"""
-    learning_rate: float = 3e-4
-    """the learning rate of the optimizer"""
-    num_envs: int = 1
-    """the number of parallel environments"""
-    num_steps: int = 2048
-    """the number of steps to run in each environment per policy rollout"""
-    num_minibatches: int = 32
-    """the number of mini-batches"""
-    update_epochs: int = 10
-    """the K epochs to update the policy"""
-    clip_coef: float = 0.2
-    """the surrogate clipping coefficient"""
-    ent_coef: float = 0.0
-    """coefficient of the entropy"""
-
+DEFAULTS = ppo_async.Args(exp_name="ppo_continuous", env_id="HalfCheetah-v5", total_timesteps=1_000_000,
+                          learning_rate=3e-4, num_envs=1, num_steps=2048, num_minibatches=32, update_epochs=10,
+                          clip_coef=0.2, ent_coef=0.0)
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    ppo.check_args(args)
+    args = tyro.cli(ppo_async.Args, default=DEFAULTS, description=__doc__)
+    ppo_async.check_args(args)
     device = resolve_device(args.device)
-    if args.async_:  # each collector builds its own envs
-        ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma), device)
+    # gamma also discounts the reward normalizer's returns
+    make_envs = functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma)
+    if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
+        ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
     else:
-        envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed, gamma=args.gamma)
+        envs = make_envs(device=device, seed=args.seed)
         ppo.train(args, envs, device)
         envs.close()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from leanrl.algorithms import ppo
+from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 from leanrl import pipeline
 from leanrl.pipeline.weights import WeightRing
@@ -155,12 +155,13 @@ def test_async_ppo_solves_on_device_cartpole_with_max_lag_2(tmp_path):
     # test_ppo_solves_on_device_cartpole's settings, two collector processes, every batch exactly 2 versions
     # old (deterministic mode: the worst lag allowed, and a result that does not depend on this machine's load;
     # with threads the run is as good on average but varies with the timing).
-    args = ppo.Args(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=32, num_minibatches=1,
+    args = ppo_async.Args(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=32, num_minibatches=1,
                     update_epochs=20, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
                     total_timesteps=100_000, log_every=40, checkpoint_every=0, progress=False,
                     run_dir=str(tmp_path), async_=True, num_collectors=2, max_lag=2, correction="decoupled",
                     transport="processes", deterministic=True)
-    trained = ppo.train_async(args, functools.partial(make_env, args.env_id, args.num_envs), torch.device("cpu"))
+    trained = ppo_async.train(args, functools.partial(make_env, args.env_id, args.num_envs),
+                              make_env(args.env_id, 1), torch.device("cpu"))
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
     assert trained.logged["async/lag_max"] == 2 and 0 < trained.logged["async/ess"] <= 1
 
@@ -179,7 +180,7 @@ KW = dict(clip_coef=0.2, clip_vloss=False, norm_adv=False, ent_coef=0.01, vf_coe
 
 def test_truncated_is_loss_against_hand_computed_values():
     agent, obs, actions, behaviour, _, adv, returns, values = _loss_inputs()
-    loss, m = ppo.truncated_is_loss(agent, obs, actions, behaviour, adv, returns, values, is_clip=1.5, **KW)
+    loss, m = ppo_async.truncated_is_loss(agent, obs, actions, behaviour, adv, returns, values, is_clip=1.5, **KW)
     with torch.no_grad():
         dist = torch.distributions.Categorical(logits=agent.actor(obs))
         logp, ent = dist.log_prob(actions), dist.entropy()
@@ -201,7 +202,7 @@ def test_truncated_is_loss_against_hand_computed_values():
 
 def test_decoupled_loss_against_hand_computed_values():
     agent, obs, actions, behaviour, proximal, adv, returns, values = _loss_inputs()
-    loss, m = ppo.decoupled_ppo_loss(agent, obs, actions, behaviour, proximal, adv, returns, values, is_clip=2.0,
+    loss, m = ppo_async.decoupled_ppo_loss(agent, obs, actions, behaviour, proximal, adv, returns, values, is_clip=2.0,
                                      **KW)
     with torch.no_grad():
         dist = torch.distributions.Categorical(logits=agent.actor(obs))
@@ -217,14 +218,14 @@ def test_decoupled_loss_against_hand_computed_values():
     torch.testing.assert_close(m["pg_loss"], pg, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, pg - 0.01 * ent.mean() + 0.5 * v, rtol=1e-5, atol=1e-6)
     # On-policy (behaviour == proximal) it is plain PPO.
-    same, _ = ppo.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0, **KW)
+    same, _ = ppo_async.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0, **KW)
     plain, _ = ppo.ppo_loss(agent, obs, actions, proximal, adv, returns, values, **KW)
     torch.testing.assert_close(same, plain)
 
 
 def test_effective_sample_size():
-    assert ppo.effective_sample_size(torch.zeros(10)).item() == pytest.approx(1.0)
-    assert ppo.effective_sample_size(torch.tensor([0.0, -100.0, -100.0, -100.0])).item() == pytest.approx(0.25)
+    assert ppo_async.effective_sample_size(torch.zeros(10)).item() == pytest.approx(1.0)
+    assert ppo_async.effective_sample_size(torch.tensor([0.0, -100.0, -100.0, -100.0])).item() == pytest.approx(0.25)
 
 
 def descendants(pid):

@@ -1,5 +1,8 @@
 """PPO's math against references, optimized paths against eager, and learning on the on-device CartPole."""
 
+import os
+import signal
+
 import gymnasium as gym
 import pytest
 import torch
@@ -155,28 +158,22 @@ CARTPOLE = dict(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=128, t
                 checkpoint_every=0, progress=False)
 
 
-def run_cartpole(tmp_path, **kw):
+def run_cartpole(tmp_path, on_iteration=None, **kw):
     args = ppo.Args(**{**CARTPOLE, "run_dir": str(tmp_path), **kw})
     envs = make_env(args.env_id, args.num_envs, seed=args.seed)
-    return ppo.train(args, envs, torch.device("cpu"))
+    return ppo.train(args, envs, torch.device("cpu"), on_iteration=on_iteration)
 
 
 def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
     full = run_cartpole(tmp_path / "full", total_timesteps=4096)
-    # The same schedule, stopped after two iterations by a KeyboardInterrupt (as Ctrl-C would), then resumed.
-    calls = {"n": 0}
-    original = ppo.PPO.train_iteration
 
-    def interrupt_after_two(self, logger):
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        return original(self, logger)
+    # The same schedule, stopped after two iterations by a SIGTERM (as `kill` would), then resumed.
+    def sigterm_after_two(iteration, global_step):
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ppo.PPO, "train_iteration", interrupt_after_two)
-        with pytest.raises(KeyboardInterrupt):
-            run_cartpole(tmp_path / "part", total_timesteps=4096)
+    with pytest.raises(KeyboardInterrupt):
+        run_cartpole(tmp_path / "part", total_timesteps=4096, on_iteration=sigterm_after_two)
     (ckpt,) = (tmp_path / "part").glob("*/checkpoint.pt")
     assert torch.load(ckpt, weights_only=False)["iteration"] == 2
     resumed = run_cartpole(tmp_path / "part", total_timesteps=4096, resume=str(ckpt))
@@ -207,20 +204,13 @@ def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path):
     agents = []
     for mode in (dict(), dict(compile=True, cudagraphs=True, graph_iteration=True)):
         args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
-                           **mode})
-        leanrl.seed_everything(args.seed)
-        algo = ppo.PPO(args, make_env(args.env_id, args.num_envs, device=device), device)
-        algo.reset(args.seed)
-        logger = leanrl.Logger(str(tmp_path / str(len(agents))), {}, 1000, progress=False)
-        for _ in range(3):
-            algo.train_iteration(logger)
-        logger.close()
-        agents.append(algo.agent)
+                           "total_timesteps": 3 * 8 * 16, "run_dir": str(tmp_path / str(len(agents))), **mode})
+        agents.append(ppo.train(args, make_env(args.env_id, args.num_envs, device=device), device).agent)
     for (name, e), g in zip(agents[0].named_parameters(), agents[1].parameters()):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_graph_iteration_needs_an_on_device_env():
     with pytest.raises(ValueError, match="--graph-iteration needs an on-device env"):
-        ppo.PPO(ppo.Args(graph_iteration=True, num_envs=1, num_steps=8, num_minibatches=1, total_timesteps=8),
-                make_env("Pendulum-v1", 1), torch.device("cpu"))
+        ppo.train(ppo.Args(graph_iteration=True, num_envs=1, num_steps=8, num_minibatches=1, total_timesteps=8),
+                  make_env("Pendulum-v1", 1), torch.device("cpu"))

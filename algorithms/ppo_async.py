@@ -1,0 +1,230 @@
+"""Async PPO: collectors act with in-flight weight updates while the trainer trains, staleness bounded by `max_lag`
+(PipelineRL style), the stale data corrected (`--correction`: AReaL's decoupled PPO, PipelineRL's truncated IS, or
+none). PPO's networks, rollout and GAE are imported from `ppo.py`; this file adds the corrections, the collector
+and the trainer's loop. Depends on torch, tensordict, `leanrl` (its pipeline) and `ppo.py` beside it.
+"""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+from tensordict import from_module
+
+import leanrl
+import leanrl.pipeline
+from leanrl.algorithms import ppo
+from leanrl.pipeline import AsyncArgs
+
+
+@dataclass
+class Args(ppo.Args, AsyncArgs):
+    """PPO's arguments and the pipeline's (`--async` chooses this loop in the scripts)."""
+
+
+def check_args(args: Args) -> tuple[int, int, int]:
+    """Fail on settings that cannot work, before any environment is built or anything compiled."""
+    sizes = ppo.check_args(args)
+    if args.async_:
+        leanrl.pipeline.check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic,
+                                       args.publish_every)
+    return sizes
+
+
+# ------------------------------------------------------------------------------ stale-data corrections
+def truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, *, is_clip, clip_coef,
+                      clip_vloss, norm_adv, ent_coef, vf_coef):
+    """PipelineRL's off-policy policy gradient: -A * min(pi/mu, is_clip) * log pi, the importance weight to the
+    behaviour policy mu truncated and detached (its gradient is pi/mu * A * grad log pi below the clip);
+    value and entropy terms as in `ppo.ppo_loss`."""
+    dist_params, newvalue = agent(obs)
+    _, newlogprob, entropy = ppo.sample_and_logprob(agent, dist_params, actions)
+    logratio = newlogprob - behaviour_logprobs
+    weight = logratio.detach().exp().clamp(max=is_clip)
+    if norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = -(weight * advantages * newlogprob).mean()
+    v_loss_unclipped = (newvalue - returns) ** 2
+    if clip_vloss:
+        v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
+        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * v_loss_unclipped.mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+    with torch.no_grad():
+        ratio = logratio.exp()
+        metrics = dict(pg_loss=pg_loss, v_loss=v_loss, entropy=entropy_loss, old_approx_kl=(-logratio).mean(),
+                       approx_kl=((ratio - 1) - logratio).mean(), clipfrac=(ratio > is_clip).float().mean())
+    return loss, metrics
+
+
+def decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values, *,
+                       is_clip, clip_coef, clip_vloss, norm_adv, ent_coef, vf_coef):
+    """AReaL's decoupled PPO: the clipped trust region around the proximal policy (the trainer's weights when the
+    batch is consumed), each sample reweighted by proximal/behaviour (truncated at is_clip). The weight is
+    positive, so w * max(-A r, -A clip(r)) = max(-wA r, -wA clip(r)): `ppo.ppo_loss` with advantages w * A."""
+    if norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    weight = (proximal_logprobs - behaviour_logprobs).exp().clamp(max=is_clip)
+    return ppo.ppo_loss(agent, obs, actions, proximal_logprobs, weight * advantages, returns, values,
+                        clip_coef=clip_coef, clip_vloss=clip_vloss, norm_adv=False, ent_coef=ent_coef, vf_coef=vf_coef)
+
+
+def effective_sample_size(logw):
+    """(sum w)^2 / (n sum w^2) of the importance weights w = exp(logw): 1 on-policy, 1/n at worst."""
+    w = (logw - logw.max()).exp()
+    return w.sum() ** 2 / (w.numel() * (w**2).sum())
+
+
+def make_update(agent, optimizer, args: Args):
+    def update(obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values):
+        optimizer.zero_grad()
+        kw = dict(clip_coef=args.clip_coef, clip_vloss=args.clip_vloss, norm_adv=args.norm_adv,
+                  ent_coef=args.ent_coef, vf_coef=args.vf_coef)
+        if args.correction == "decoupled":
+            loss, m = decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages,
+                                         returns, values, is_clip=args.is_clip, **kw)
+        elif args.correction == "truncated_is":
+            loss, m = truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values,
+                                        is_clip=args.is_clip, **kw)
+        else:  # naive PPO on stale data: the behaviour policy taken as the old policy
+            loss, m = ppo.ppo_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, **kw)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+        optimizer.step()
+        return (m["pg_loss"].detach(), m["v_loss"].detach(), m["entropy"].detach(), m["old_approx_kl"],
+                m["approx_kl"], m["clipfrac"], grad_norm.detach())
+
+    return update
+
+
+def make_logprob(agent):
+    def logprob(obs, actions):
+        return ppo.sample_and_logprob(agent, agent(obs)[0], actions)[1]
+
+    return logprob
+
+
+# ----------------------------------------------------------------------------------------- the collector
+def batch_template(storage):
+    """What a collector sends: the rollout storage, GAE's inputs and the version of every step."""
+    template = storage.clone()
+    template["next_values"] = torch.zeros_like(template["values"])
+    template["gae_terminated"] = torch.zeros_like(template["terminated"])
+    template["version"] = torch.zeros(template.shape, dtype=torch.int64, device=storage.device)
+    return template
+
+
+def collector(ctx, args: Args, make_envs, device):
+    """A collector role: PPO's rollout on its own envs, its policy reading the newest weights in place at every
+    step boundary (`ctx.step_boundary()`, which also gives the version each step is tagged with)."""
+    seed = args.seed + 1 + ctx.rank
+    leanrl.seed_everything(seed, args.torch_deterministic)
+    envs = make_envs(seed=seed, device=device)
+    agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
+    wrap = leanrl.wrap_flags(args, device)
+    policy = leanrl.accelerate(ppo.make_policy(agent), name="policy", **wrap)
+    get_value = leanrl.accelerate(agent.get_value, name="get_value", **wrap)
+    env_step = leanrl.accelerate(envs.step, name="env_step", **wrap) if envs.on_device else envs.step
+    storage = ppo.make_storage(envs, args, device)
+    next_obs, versions = envs.reset(seed=seed), []
+
+    def tagged_policy(obs):
+        versions.append(ctx.step_boundary())
+        return policy(obs)
+
+    try:
+        for batch in ctx.batches(from_module(agent).data, batch_template(storage)):
+            versions.clear()
+            next_values, terminated = ppo.rollout(tagged_policy, get_value, env_step, next_obs, storage, args)
+            batch.update_(storage)
+            batch["next_values"].copy_(next_values)
+            batch["gae_terminated"].copy_(terminated)
+            batch["version"].copy_(torch.tensor(versions).unsqueeze(1).expand(batch.shape))
+    finally:
+        envs.close()
+
+
+# ------------------------------------------------------------------------------------------- the trainer
+def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> SimpleNamespace | None:
+    """Async PPO to `args.total_timesteps`. `make_envs(seed=, device=)` builds one collector's envs (picklable for
+    processes); `spec` has the envs' `single_observation_space`, `single_action_space` and `obs_dtype` (e.g. a
+    one-env instance): the trainer owns no env. With `--transport distributed`, every torchrun rank calls this;
+    collector ranks return None. Logging, checkpoints and resume as `ppo.train` (collectors restart their envs)."""
+    device = device or leanrl.resolve_device(args.device)
+    batch_size, minibatch_size, num_iterations = check_args(args)
+    leanrl.seed_everything(args.seed, args.torch_deterministic)
+    settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
+    if args.transport == "distributed":
+        from leanrl.pipeline.distributed import is_collector_rank, join
+        device = join(args.num_collectors, device)
+        if is_collector_rank():
+            leanrl.pipeline.start("distributed", args.num_collectors, collector, (args, make_envs, device), None,
+                                  None, **settings)
+            return None
+    run_dir = leanrl.make_run_dir(args, args.env_id)
+    ckpt_path = f"{run_dir}/checkpoint.pt"
+
+    agent = ppo.make_agent(spec.single_observation_space, spec.single_action_space, device)
+    agent_inference = ppo.make_agent(spec.single_observation_space, spec.single_action_space, "meta")
+    from_module(agent).data.to_module(agent_inference)
+    wrap = leanrl.wrap_flags(args, device)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)
+    gae_fn = leanrl.accelerate(ppo.gae, name="gae", **{**wrap, "compile": wrap["compile"] and
+                                                       args.num_steps <= ppo.MAX_COMPILED_GAE_STEPS})
+    update = leanrl.accelerate(make_update(agent, optimizer, args), name="update", **wrap)
+    logprob = leanrl.accelerate(make_logprob(agent_inference), name="logprob", **wrap)
+    storage = ppo.make_storage(spec, args, device)
+
+    iteration = 0
+    if args.resume:  # the learner resumes exactly; collectors start new episodes
+        state = leanrl.load_checkpoint(args.resume)
+        agent.load_state_dict(state["agent"])
+        leanrl.load_optimizer_state(optimizer, state["optimizer"])
+        iteration = state["iteration"]
+
+    def checkpoint_state():
+        return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=iteration * batch_size,
+                    iteration=iteration)
+
+    collector_device = device if args.transport == "threads" else torch.device("cpu")
+    trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector, (args, make_envs, collector_device),
+                                    batch_template(storage), from_module(agent).data, **settings)
+    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size)
+    with trainer, logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state):
+        while iteration < num_iterations:
+            if args.anneal_lr:
+                optimizer.param_groups[0]["lr"].fill_((1.0 - iteration / num_iterations) * args.learning_rate)
+            batch = trainer.next_batch()  # valid until the publish below
+            storage.update_(batch.select(*storage.keys()))
+            advantages, returns = gae_fn(storage["rewards"], storage["values"], batch["next_values"].to(device),
+                                         batch["gae_terminated"].to(device),
+                                         storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
+            b = ppo.flat_batch(storage, advantages, returns)
+            with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
+                b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
+            for epoch in range(args.update_epochs):
+                for mb_inds in torch.rand(batch_size, device=device).argsort().split(minibatch_size):
+                    mb = b[mb_inds]
+                    out = update(mb["obs"], mb["actions"], mb["logprobs"], mb["proximal_logprobs"],
+                                 mb["advantages"], mb["returns"], mb["values"])
+            trainer.publish()
+            metrics = dict(zip(ppo.UPDATE_METRICS, (*out, ppo.explained_variance(b))))
+            metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
+            metrics["async/ess"] = effective_sample_size(b["proximal_logprobs"] - b["logprobs"])
+            metrics.update(trainer.stats.summary())
+            logger.record(metrics)
+            logger.record_episodes(storage["terminated"] | storage["truncated"], storage["episode_return"],
+                                   storage["episode_length"])
+            iteration += 1
+            logger.end_iteration(iteration * batch_size)
+            if iteration % args.log_every == 0 or iteration == num_iterations:
+                logger.flush()
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                leanrl.save_checkpoint(ckpt_path, checkpoint_state())
+            if on_iteration is not None:
+                on_iteration(iteration, iteration * batch_size)
+    leanrl.save_checkpoint(ckpt_path, checkpoint_state())
+    return SimpleNamespace(agent=agent, optimizer=optimizer, logged=logger.last, iteration=iteration,
+                           global_step=iteration * batch_size, run_dir=run_dir, consumed=trainer.consumed)
