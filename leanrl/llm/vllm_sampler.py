@@ -77,6 +77,11 @@ class VLLMSampler:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         if head_dim < 32 and current_platform.is_cpu():
             raise ValueError(f"model_dir={model_dir!r}: head_dim {head_dim}; vLLM's CPU attention needs >= 32")
+        self.vocab_size = config["vocab_size"]
+        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if value is None or not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value}: must be a token id of the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
         if params is None:
             model, _ = load_model(model_dir)
             params = from_module(model).data
@@ -98,11 +103,6 @@ class VLLMSampler:
                             worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=False, **kv,
                             **engine_kwargs)
         self.engine = self.llm.llm_engine
-        self.vocab_size = self.engine.model_config.get_vocab_size()
-        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-            if value is None or not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value}: must be a token id of the model's vocabulary "
-                                 f"[0, {self.vocab_size})")
         # EOS ends a completion and is part of it (vLLM keeps stop tokens in token_ids); no text is needed.
         self.sampling = vllm.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
                                             stop_token_ids=[eos_token_id], detokenize=False,
@@ -119,7 +119,8 @@ class VLLMSampler:
         engine steps: the running requests stay (KV kept), or are preempted to recompute it (`recompute_kv`)."""
         seen, tensors = set(), {}
         for name, t in self.params.flatten_keys(".").items():
-            if name in self._names and t.untyped_storage().data_ptr() not in seen:  # tied embeddings: send the shared tensor once
+            # Only the checkpoint's names, and a tensor shared by two names (tied embeddings) once.
+            if name in self._names and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 tensors[name] = t.detach().to("cpu").contiguous()
         self.llm.collective_rpc("leanrl_load_weights", args=(save(tensors),))
