@@ -100,7 +100,7 @@ class Args:
     compare: str | None = None
     """a finished run's metrics.jsonl: predicted vs measured at --n-sample / --slots"""
     n_sample: int | None = None
-    """with --compare: the run's sampler GPUs"""
+    """with --compare: the run's sampler GPUs; without: evaluate only this split"""
     slots: int | None = None
     """with --compare: the run's per-replica batch"""
     units_per_sequence: float = 1.0
@@ -179,7 +179,8 @@ def plots(setup: layout.Setup, preds: list, best_sim, out: str):
     axes[0].set(xlabel="sampler GPUs (rest train)", ylabel="tokens/s (best per-replica batch)",
                 title=f"{setup.mode}, {setup.total_gpus} x {setup.gpu.name}")
     cap = layout.kv_cap(setup) if setup.latency is None else max(setup.latency.batches)
-    bs = np.unique(np.geomspace(1, max(cap, 2), 60).astype(int))
+    top = max(cap, 2) if setup.latency else max(cap, 2 * layout.knee(setup))  # show both regimes
+    bs = np.unique(np.geomspace(1, top, 60).astype(int))
     axes[1].plot(bs, [bs_ / layout.step_time(setup, bs_) for bs_ in bs])
     if setup.latency is None:
         axes[1].axvline(layout.knee(setup), ls="--", color="gray", label=f"knee B* = {layout.knee(setup):.0f}")
@@ -211,6 +212,10 @@ def main(a: Args):
             print(f"{name:<26}{p:>12.4g}{m:>12.4g}{e:>10}")
         return
     preds = layout.sweep(setup)
+    if a.n_sample is not None:  # a given split (e.g. a naive 50/50): its best per-replica batch
+        preds = [p for p in preds if p.n_sample == a.n_sample]
+        if not preds:
+            raise ValueError(f"--n-sample {a.n_sample}: not a valid split; choose from {layout.splits(setup)}")
     shown = preds[:a.top]
     sims = {i: layout.simulate(setup, p.n_sample, p.slots, steps=a.sim_steps, warmup=a.sim_steps // 10)
             for i, p in enumerate(shown)} if a.simulate else {}
