@@ -61,6 +61,16 @@ class CollectorError(RuntimeError):
     """A collector raised; the message holds its traceback."""
 
 
+class Stopped(Exception):
+    """Raised inside a collector when the trainer has asked every role to stop (its loop ends quietly)."""
+
+
+def sync_cuda():
+    """Wait for this thread's CUDA stream: what it wrote is complete before another role reads it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 class Stats:
     """Lag histogram, idle fractions and queue depth, read on the host once per batch (the lag check
     needs the versions anyway)."""
@@ -86,11 +96,12 @@ class Stats:
 
 class Trainer:
     """The trainer's side: `batch = trainer.next_batch()` (ticket `trainer.version`, in order), train on it,
-    then `trainer.publish(params)`. The batch is only valid until that publish. Subclasses provide
-    `_poll(timeout)` (a message or None) and `_slot(rank, seq)`."""
+    then `trainer.publish(params)`. The batch is only valid until that publish. `weights` sends the published
+    weights (`weights.publish(params, version)`). Subclasses provide `_poll(timeout)` (a message or None)
+    and `_slot(rank, seq)`."""
 
-    def __init__(self, ring, slots, stats, params, max_lag, timeout, publish_every=1):
-        self.ring, self.slots, self.stats, self.params = ring, slots, stats, params
+    def __init__(self, weights, slots, stats, params, max_lag, timeout, publish_every=1):
+        self.weights, self.slots, self.stats, self.params = weights, slots, stats, params
         self.max_lag, self.timeout, self.publish_every = max_lag, timeout, publish_every
         self.version = 0
         self.ready = {}  # ticket -> (collector, sequence number), arrived ahead of its turn
@@ -143,4 +154,4 @@ class Trainer:
         """End this version; the collectors get the new weights every `publish_every` versions."""
         self.version += 1
         if self.version % self.publish_every == 0:
-            self.ring.publish(self.params if params is None else params, self.version)
+            self.weights.publish(self.params if params is None else params, self.version)

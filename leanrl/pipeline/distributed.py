@@ -31,8 +31,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from leanrl.pipeline.core import Stats, Trainer, check_settings
-from leanrl.pipeline.weights import _Stop, _sync_cuda
+from leanrl.pipeline.core import Stats, Stopped, Trainer, check_settings, sync_cuda
 
 BATCH, ERROR, DONE = 0, 1, 2
 BATCH_TAG, WEIGHT_TAG = 1, 2
@@ -123,7 +122,7 @@ class DistCollector:
                 self.stopped.set()
                 return
             received = staging.clone()
-            _sync_cuda()  # received and copied before it is filed
+            sync_cuda()  # received and copied before it is filed
             with self.lock:
                 self.received[version] = received
                 while len(self.received) > self.max_lag + 2:
@@ -137,7 +136,7 @@ class DistCollector:
         t0 = time.perf_counter()
         while not ready():
             if self.stopped.is_set():
-                raise _Stop
+                raise Stopped
             time.sleep(2e-4)
         self.idle += time.perf_counter() - t0
 
@@ -174,13 +173,13 @@ class DistCollector:
 
     def step_boundary(self):
         if self.stopped.is_set():
-            raise _Stop
+            raise Stopped
         if not self.deterministic and self._newest() > self.version:
             self._load(self._newest())
         return self.version
 
 
-class _Sender:
+class WeightSender:
     """The trainer's weight sends: one buffer per collector, reused once its previous send completed."""
 
     def __init__(self, params, num_collectors):
@@ -202,7 +201,7 @@ class _Sender:
 class DistTrainer(Trainer):
     def __init__(self, num_collectors, batch_template, params, max_lag, timeout, publish_every):
         slots = [[batch_template.cpu().clone() for _ in range(max_lag + 1)] for _ in range(num_collectors)]
-        super().__init__(_Sender(params, num_collectors), slots, Stats(max_lag, torch.zeros(
+        super().__init__(WeightSender(params, num_collectors), slots, Stats(max_lag, torch.zeros(
             num_collectors, 2, dtype=torch.float64)), params, max_lag, timeout, publish_every)
         self.messages = queue.Queue()
         self.consumed_seq = [-1] * num_collectors
@@ -211,7 +210,7 @@ class DistTrainer(Trainer):
                           for c in range(num_collectors)]
         for r in self.receivers:
             r.start()
-        self.ring.publish(params, 0)
+        self.weights.publish(params, 0)
 
     def _receive_batches(self, c):
         header, j = torch.zeros(5, dtype=torch.int64), 0
@@ -250,11 +249,11 @@ class DistTrainer(Trainer):
     def close(self):
         """Stop every collector, take in what they still send, and leave the group together."""
         self.closing = True
-        self.ring.publish(self.params, self.version + 1, stop=1)
-        for works in self.ring.work:
+        self.weights.publish(self.params, self.version + 1, stop=1)
+        for works in self.weights.work:
             for w in works:
                 w.wait()
-        _sync_cuda()  # the last weights are out before NCCL's group is destroyed
+        sync_cuda()  # the last weights are out before NCCL's group is destroyed
         for r in self.receivers:
             r.join()
         dist.barrier()
@@ -275,7 +274,7 @@ def start_distributed(num_collectors, collector_fn, fn_args, batch_template, par
     ctx = DistCollector(num_collectors, max_lag, deterministic)
     try:
         collector_fn(ctx, *fn_args)
-    except _Stop:
+    except Stopped:
         ctx.send_header(DONE)
     except BaseException:
         tb = traceback.format_exc().encode()[: ERROR_BYTES - 1]

@@ -11,23 +11,40 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
 from tensordict import TensorDictBase
 
-from leanrl.pipeline.core import CollectorError, Stats, Trainer, check_settings
-from leanrl.pipeline.weights import WeightRing, _Stop, _sync_cuda
+from leanrl.pipeline.core import CollectorError, Stats, Stopped, Trainer, check_settings, sync_cuda
+from leanrl.pipeline.weights import WeightRing
+
+
+@dataclass
+class Shared:
+    """What the trainer and its collectors share (in shared memory for processes)."""
+    num_collectors: int
+    max_lag: int
+    deterministic: bool
+    weights: WeightRing  # the published versions; its `latest` and `stop` flags
+    slots: list  # per collector, max_lag + 1 batch slots
+    tickets: torch.Tensor  # the next ticket to hand out
+    ticket_lock: object
+    messages: object  # (kind, collector, sequence number or traceback, ticket) to the trainer
+    collector_times: torch.Tensor  # per collector: [idle seconds, seconds since start]
+    trainer_pid: int | None  # processes leave when their trainer is gone
 
 
 class Collector:
     """What a collector function sees: `for batch in ctx.batches(params): fill batch, tagging each step
     with ctx.step_boundary()` (the version it acts with, after picking up any newer weights in place)."""
 
-    def __init__(self, rank, shared, fn_name="collector"):
-        self.rank = rank
-        (self.num_collectors, self.max_lag, self.deterministic, self.ring, self.slots, self.tickets,
-         self.ticket_lock, self.messages, self.stats, self.parent) = shared
+    def __init__(self, rank: int, shared: Shared):
+        self.rank, self.shared = rank, shared
+        self.num_collectors, self.max_lag = shared.num_collectors, shared.max_lag
+        self.deterministic = shared.deterministic
+        self.weights, self.slots = shared.weights, shared.slots
         self.version = -1
         self.min_version = 0  # the oldest version the batch being filled may hold (ticket - max_lag)
         self.params = None
@@ -35,28 +52,29 @@ class Collector:
 
     def alive(self) -> bool:
         # A collector leaves when told to stop, or when its trainer process is gone (never an orphan).
-        return not int(self.ring.stop) and (self.parent is None or os.getppid() == self.parent)
+        parent = self.shared.trainer_pid
+        return not int(self.weights.stop) and (parent is None or os.getppid() == parent)
 
     def _wait(self, ready):
         t0 = time.perf_counter()
         while not ready():
             if not self.alive():
-                raise _Stop
+                raise Stopped
             time.sleep(2e-4)
         self.idle += time.perf_counter() - t0
 
     def _take_ticket(self) -> int:
         if self.deterministic:  # a fixed schedule: ticket g always belongs to collector g % num_collectors
             g = self.rank + self._j * self.num_collectors
-            self._wait(lambda: int(self.ring.latest) >= g - self.max_lag)
+            self._wait(lambda: int(self.weights.latest) >= g - self.max_lag)
             return g
         while True:
-            with self.ticket_lock:
-                g = int(self.tickets)
-                if g <= int(self.ring.latest) + self.max_lag:  # admission control: never exceed max_lag
-                    self.tickets += 1
+            with self.shared.ticket_lock:
+                g = int(self.shared.tickets)
+                if g <= int(self.weights.latest) + self.max_lag:  # admission control: never exceed max_lag
+                    self.shared.tickets += 1
                     return g
-            self._wait(lambda: int(self.ring.latest) + self.max_lag >= int(self.tickets))
+            self._wait(lambda: int(self.weights.latest) + self.max_lag >= int(self.shared.tickets))
 
     def batches(self, params: TensorDictBase, template: TensorDictBase):
         """Yield this collector's slots, one per batch, after admission; each yielded batch is sent when
@@ -70,30 +88,31 @@ class Collector:
             self.version = self._read(max(g - self.max_lag, 0) if self.deterministic else None)
             batch = self.slots[self.rank][self._j % self.slots[self.rank].shape[0]]
             yield batch
-            _sync_cuda()  # the batch is complete on this collector's stream before the trainer reads it
+            sync_cuda()  # the batch is complete on this collector's stream before the trainer reads it
             self._record()
-            self.messages.put(("batch", self.rank, self._j, g))
+            self.shared.messages.put(("batch", self.rank, self._j, g))
             self._j += 1
 
     def step_boundary(self) -> int:
         """Pick up newer weights in place (not in deterministic mode: a batch is one version there)."""
-        if not self.deterministic and int(self.ring.latest) > self.version:
+        if not self.deterministic and int(self.weights.latest) > self.version:
             self.version = self._read(None)
         if not self.alive():
-            raise _Stop
+            raise Stopped
         return self.version
 
     def _read(self, version):
         t0 = time.perf_counter()
-        v = self.ring.read_into(self.params, version, self.alive)
+        v = self.weights.read_into(self.params, version, self.alive)
         self.idle += time.perf_counter() - t0
         return v
 
     def _record(self):
-        self.stats[self.rank] = torch.tensor([self.idle, time.perf_counter() - self.t_start], dtype=torch.float64)
+        elapsed = time.perf_counter() - self.t_start
+        self.shared.collector_times[self.rank] = torch.tensor([self.idle, elapsed], dtype=torch.float64)
 
 
-def _collector_main(rank, shared, fn, fn_args, is_process):
+def run_collector(rank, shared, fn, fn_args, is_process):
     ctx = Collector(rank, shared)
     if is_process:
         import signal
@@ -101,10 +120,10 @@ def _collector_main(rank, shared, fn, fn_args, is_process):
         torch.set_num_threads(1)
     try:
         fn(ctx, *fn_args)
-    except _Stop:
+    except Stopped:
         pass
     except BaseException:
-        ctx.messages.put(("error", rank, traceback.format_exc(), None))
+        shared.messages.put(("error", rank, traceback.format_exc(), None))
 
 
 class LocalTrainer(Trainer):
@@ -133,13 +152,13 @@ class LocalTrainer(Trainer):
         ring.publish(params, 0)  # version 0: the initial weights
         # Kept on self: Process.start() drops its arguments, and a lock collected here would be unlinked
         # before a spawned child unpickles it.
-        self.shared = shared = (num_collectors, max_lag, deterministic, ring, slots, tickets, lock, messages,
-                                stats, os.getpid() if is_process else None)
+        self.shared = shared = Shared(num_collectors, max_lag, deterministic, ring, slots, tickets, lock, messages,
+                                      stats, os.getpid() if is_process else None)
         if is_process:
-            self.workers = [mpctx.Process(target=_collector_main, args=(r, shared, collector_fn, fn_args, True),
+            self.workers = [mpctx.Process(target=run_collector, args=(r, shared, collector_fn, fn_args, True),
                                           daemon=True) for r in range(num_collectors)]
         else:
-            self.workers = [threading.Thread(target=_stream_wrapped, args=(r, shared, collector_fn, fn_args),
+            self.workers = [threading.Thread(target=run_collector_thread, args=(r, shared, collector_fn, fn_args),
                                              daemon=True) for r in range(num_collectors)]
         for w in self.workers:
             w.start()
@@ -154,7 +173,7 @@ class LocalTrainer(Trainer):
             return None
 
     def close(self):
-        self.ring.stop.fill_(1)
+        self.weights.stop.fill_(1)
         for w in self.workers:
             w.join(timeout=10)
         for w in self.workers:
@@ -168,10 +187,10 @@ class LocalTrainer(Trainer):
             self.messages.join_thread()
 
 
-def _stream_wrapped(rank, shared, fn, fn_args):
+def run_collector_thread(rank, shared, fn, fn_args):
     """On a GPU, each collector thread runs on its own CUDA stream (the trainer keeps the default one)."""
     if torch.cuda.is_available():
         with torch.cuda.stream(torch.cuda.Stream()):
-            _collector_main(rank, shared, fn, fn_args, False)
+            run_collector(rank, shared, fn, fn_args, False)
     else:
-        _collector_main(rank, shared, fn, fn_args, False)
+        run_collector(rank, shared, fn, fn_args, False)

@@ -20,6 +20,8 @@ import time
 import torch
 from tensordict import TensorDictBase
 
+from leanrl.pipeline.core import Stopped, sync_cuda
+
 
 class WeightRing:
     def __init__(self, params: TensorDictBase, slots: int, shared: bool):
@@ -36,7 +38,7 @@ class WeightRing:
                 t.share_memory_()
 
     def publish(self, params: TensorDictBase, version: int):
-        _sync_cuda()  # the update's kernels are done before seq says the slot is complete
+        sync_cuda()  # the update's kernels are done before seq says the slot is complete
         slot = version % self.slots
         self.header[slot, 0] += 1
         self.weights[slot].update_(params.detach())
@@ -54,19 +56,10 @@ class WeightRing:
                 if version is not None and int(self.header[slot, 1]) > v:
                     raise RuntimeError(f"weights of version {v} were overwritten before this collector read them")
                 if not alive():
-                    raise _Stop
+                    raise Stopped
                 time.sleep(1e-4)  # being written, or not yet published
                 continue
             params.update_(self.weights[slot])
-            _sync_cuda()
+            sync_cuda()
             if int(self.header[slot, 0]) == s1:
                 return v
-
-
-def _sync_cuda():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
-
-
-class _Stop(Exception):
-    """Raised inside a collector when the trainer has asked every role to stop."""
