@@ -2,9 +2,12 @@
 
 Read top to bottom: arguments, networks (an MLP, or the Nature CNN for Atari frame stacks), the epsilon
 schedule, the two functions `leanrl.accelerate` compiles and CUDA-graphs (`policy`: epsilon-greedy with the
-schedule computed in-graph from a step counter it advances itself; `update`), then the training loop.
-Depends only on leanrl, torch and tensordict (torchrl's replay buffer through `leanrl.offpolicy`);
-environments are passed in (see `envs/`).
+schedule computed in-graph from a step counter it advances itself; `update`), the learner that builds them once,
+and `train`: CleanRL's loop (an update every `train_frequency` steps, the target copy every
+`target_network_frequency`). The file imports only leanrl, torch and tensordict. From
+leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints) and `leanrl.offpolicy` (argument
+checks, torchrl's replay buffer and its checkpoint, evaluation). Environments are passed in: a vector env whose
+step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
 
 Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
 from `truncated`; the target cuts the bootstrap only on termination, so a time limit bootstraps. For Atari
@@ -12,6 +15,7 @@ frame stacks the buffer keeps only the newest frame of the next observation (the
 observation's last three frames), which saves 3/8 of the memory at no cost in exactness.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +24,8 @@ import torch.nn.functional as F
 from tensordict import from_module
 
 import leanrl
-from leanrl.offpolicy import (check_envs, check_replay_args, crossings, load_loop_state, log_step, loop_state,
-                              make_replay_buffer, store)
+from leanrl.offpolicy import (burn_in, check_envs, check_replay_args, crossings, evaluate, make_replay_buffer, start,
+                              store)
 
 
 @dataclass
@@ -179,22 +183,20 @@ def make_update(q_network, q_target, optimizer, args: Args, frame_stack: bool):
 
 # ------------------------------------------------------------------------------------------- training
 class DQN:
-    """Q-network, target network, optimizer, replay buffer, step counter and the accelerated functions."""
+    """Q-network, target network, optimizer, step counter and the accelerated functions, built once."""
 
-    def __init__(self, args: Args, envs, device, eval_envs=None):
-        self.args, self.envs, self.eval_envs, self.device = args, envs, eval_envs, torch.device(device)
-        self.num_iterations = check_args(args)
+    def __init__(self, args: Args, envs, device):
         obs_space, act_space = envs.single_observation_space, envs.single_action_space
         self.q_network = make_q_network(obs_space, act_space, device)
-        check_envs("DQN", args, envs, eval_envs)
         self.num_actions, self.frame_stack = int(act_space.n), len(obs_space.shape) == 3
+        self.eval_epsilon = args.eval_epsilon
         # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
         self.q_inference = make_q_network(obs_space, act_space, "meta")
         from_module(self.q_network).data.to_module(self.q_inference)
         self.q_target = make_q_network(obs_space, act_space, device).requires_grad_(False)
         self.online, self.target = from_module(self.q_network).data, from_module(self.q_target).data
         self.target.update_(self.online)
-        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)  # make_adam and accelerate
+        wrap = leanrl.wrap_flags(args, device)
         self.optimizer = leanrl.make_adam(list(self.q_network.parameters()), args.learning_rate, **wrap)
 
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # the global step, advanced by the policy
@@ -204,84 +206,92 @@ class DQN:
         self.update = leanrl.accelerate(make_update(self.q_network, self.q_target, self.optimizer, args,
                                                     self.frame_stack), name="update", **wrap)
 
-        self.rb = make_replay_buffer(args.buffer_size, args.batch_size, args.buffer_device or device)
-        self.obs = None
-        self.update_out = self.epsilon = None  # the last outputs, read at log boundaries
-        self.logged = {}  # the last values written to the log (set by leanrl.run)
-        self.global_step = self.iteration = 0
-        self.updates = 0  # updates by this process (compile and capture happen in the first few)
-        self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
-
     @torch.no_grad()
     def eval_policy(self, obs):
         greedy = self.q_inference(obs).argmax(-1)
-        if self.args.eval_epsilon == 0:
+        if self.eval_epsilon == 0:
             return greedy
-        explore = torch.rand(greedy.shape, device=greedy.device) < self.args.eval_epsilon
+        explore = torch.rand(greedy.shape, device=greedy.device) < self.eval_epsilon
         return torch.where(explore, torch.randint_like(greedy, self.num_actions), greedy)
 
-    def reset(self, seed):
-        self.obs = self.envs.reset(seed=seed)
-
-    def train_iteration(self, logger):
-        args, n = self.args, self.args.num_envs
-        with torch.no_grad():
-            action, self.epsilon = self.policy(self.obs)
-        out = self.envs.step(action)
-        next_obs = out["final_obs"][:, -1:] if self.frame_stack else out["final_obs"]
-        store(self.rb, self.obs, action, out, next_obs)
-        self.obs = out["next_obs"]
-        before, self.global_step = self.global_step, self.global_step + n
-        self.iteration += 1
-        if self.global_step - self.fill_start > args.learning_starts:
-            for _ in range(crossings(before, self.global_step, args.train_frequency)):
-                self.updates += 1
-                data = self.rb.sample().to(self.device)
-                self.update_out = self.update(data["obs"], data["action"], data["reward"], data["next_obs"],
-                                              data["terminated"])
-                if self.updates == 3:
-                    # Both functions have now been compiled and captured (CUDA graphs capture within the first
-                    # calls): restart the logger's SPS clock at the end of this iteration, so compile time does not
-                    # dilute SPS.
-                    logger.burn_in = logger.iterations + 1
-            if crossings(before, self.global_step, args.target_network_frequency):
-                self.target.lerp_(self.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
-        log_step(self, logger, out, before, (("charts/epsilon",), self.epsilon.reshape(1)),
-                 (UPDATE_METRICS, self.update_out))
-
-    def benchmark_calls(self):
-        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`. Calling the policy
-        advances its step counter (and so epsilon), as acting would."""
-        B, device, shape = self.args.batch_size, self.device, self.envs.single_observation_space.shape
+    def benchmark_calls(self, args: Args, obs_shape, device) -> dict:
+        """The accelerated functions with inputs of this run's shapes, for per-call timing (benchmarks). Calling
+        the policy advances its step counter (and so epsilon), as acting would."""
+        B = args.batch_size
 
         def observations(n):
             if self.frame_stack:
-                return torch.randint(0, 256, (n, *shape), dtype=torch.uint8, device=device)
-            return torch.randn(n, *shape, device=device)
+                return torch.randint(0, 256, (n, *obs_shape), dtype=torch.uint8, device=device)
+            return torch.randn(n, *obs_shape, device=device)
 
         obs, next_obs = observations(B), observations(B)
         if self.frame_stack:
             next_obs = next_obs[:, -1:].contiguous()
         actions = torch.randint(0, self.num_actions, (B,), device=device)
         rewards, terminated = torch.randn(B, device=device), torch.zeros(B, dtype=torch.bool, device=device)
-        return {"policy": (self.policy, (observations(self.args.num_envs),)),
+        return {"policy": (self.policy, (observations(args.num_envs),)),
                 "update": (self.update, (obs, actions, rewards, next_obs, terminated))}
 
     def state_dict(self):
         return dict(q_network=self.q_network.state_dict(), q_target=self.q_target.state_dict(),
-                    optimizer=self.optimizer.state_dict(), **loop_state(self))
+                    optimizer=self.optimizer.state_dict())
 
     def load_state_dict(self, state):
         # In place, so every address a captured graph holds stays valid.
         self.q_network.load_state_dict(state["q_network"])
         self.q_target.load_state_dict(state["q_target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        load_loop_state(self, state)
-        self.step.fill_(self.global_step)
+        leanrl.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.step.fill_(state["global_step"])
 
 
-def train(args: Args, envs, device=None, eval_envs=None) -> DQN:
-    """Run DQN to `args.total_timesteps` (logging, checkpoints, resume: see `leanrl.run`)."""
-    device = device or leanrl.resolve_device(args.device)
+def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
+    """Run DQN to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
+    `leanrl.offpolicy.Run` (learner, buffer, counters). `on_iteration(iteration, global_step)`, when given, is
+    called after every iteration (the benchmarks time the loop with it)."""
+    num_iterations = check_args(args)
+    check_envs("DQN", args, envs, eval_envs)
+    device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    return leanrl.run(DQN(args, envs, device, eval_envs), args)
+    dqn = DQN(args, envs, device)
+    rb = make_replay_buffer(args.buffer_size, args.batch_size, args.buffer_device or device)
+    run, ckpt_path = start(dqn, rb, args, envs)
+    # The SPS clock starts once both functions have been compiled and captured: WARMUP + 1 updates.
+    logger = leanrl.Logger.from_args(
+        args, os.path.dirname(ckpt_path), args.total_timesteps, start_step=run.global_step,
+        burn_in=burn_in(args, run, leanrl.WARMUP + 1, lambda a, b: crossings(a, b, args.train_frequency)))
+    update_out = None  # the last update's outputs, read at log boundaries
+    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer)):
+        for iteration in range(run.iteration + 1, num_iterations + 1):
+            with torch.no_grad():
+                action, epsilon = dqn.policy(run.obs)  # epsilon from the schedule, in-graph
+            out = envs.step(action)
+            # final_obs: bootstrap through a time limit; of a frame stack, only its newest frame is new
+            store(run.rb, run.obs, action, out, out["final_obs"][:, -1:] if dqn.frame_stack else out["final_obs"])
+            run.obs = out["next_obs"]
+            before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
+
+            if run.global_step - run.fill_start > args.learning_starts:
+                for _ in range(crossings(before, run.global_step, args.train_frequency)):
+                    run.updates += 1
+                    data = run.rb.sample().to(device)
+                    update_out = dqn.update(data["obs"], data["action"], data["reward"], data["next_obs"],
+                                            data["terminated"])
+                if crossings(before, run.global_step, args.target_network_frequency):
+                    dqn.target.lerp_(dqn.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
+
+            if args.eval_every and crossings(before, run.global_step, args.eval_every):
+                logger.record({"charts/eval_return": evaluate(dqn.eval_policy, eval_envs, args.seed + 10_000)})
+            logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
+            logger.end_iteration(run.global_step)
+            if iteration % args.log_every == 0 or iteration == num_iterations:
+                logger.record({"charts/epsilon": epsilon})
+                if update_out is not None:
+                    logger.record(dict(zip(UPDATE_METRICS, update_out.unbind())))
+                logger.flush()  # the one device-to-host read of a log boundary
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+            if on_iteration is not None:
+                on_iteration(iteration, run.global_step)
+        run.logged = logger.last
+    leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+    return run

@@ -3,16 +3,19 @@
 Read top to bottom: arguments, networks, the tanh-Gaussian policy written out (no torch.distributions, so no
 validation check or host sync hides in it), the twin critic (both Q networks in ONE stacked parameter
 TensorDict, evaluated with one `torch.vmap` call), the target, the three functions `leanrl.accelerate`
-compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor` with the temperature step), then the
-learner; the loop that calls them is CleanRL's, shared with TD3 (`leanrl.offpolicy.ActorCriticLoop`, with
-`policy_frequency` actor updates per delayed step). Depends only on leanrl, torch and tensordict (torchrl's
-replay buffer through `leanrl.offpolicy`); environments are passed in (see `envs/`).
+compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor` with the temperature step), the learner
+that builds them once, and `train`: CleanRL's loop (`policy_frequency` actor updates every `policy_frequency`
+critic updates). The file imports only leanrl, torch and tensordict. From
+leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints) and `leanrl.offpolicy` (argument
+checks, torchrl's replay buffer and its checkpoint, evaluation). Environments are passed in: a vector env whose
+step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
 
 Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
 from `truncated`; the target cuts the bootstrap only on termination, so a time limit bootstraps.
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +24,8 @@ import torch.nn.functional as F
 from tensordict import from_module, from_modules
 
 import leanrl
-from leanrl.offpolicy import (ActorCriticLoop, check_box_spaces, check_envs, check_replay_args, load_loop_state,
-                              loop_state, make_twin_q)
+from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, crossings, evaluate,
+                              make_replay_buffer, make_twin_q, start, store)
 
 
 @dataclass
@@ -202,17 +205,12 @@ def make_update_actor(actor, twin_q, q_online, log_alpha, actor_optimizer, alpha
 
 
 # ------------------------------------------------------------------------------------------- training
-class SAC(ActorCriticLoop):
-    """Actor, twin critic, target critic, temperature, optimizers, replay buffer and the accelerated functions."""
+class SAC:
+    """Actor, twin critic, target critic, temperature, optimizers and the accelerated functions, built once."""
 
-    critic_metrics, actor_metrics = CRITIC_METRICS, ACTOR_METRICS
-
-    def __init__(self, args: Args, envs, device, eval_envs=None):
-        self.args, self.envs, self.eval_envs, self.device = args, envs, eval_envs, torch.device(device)
-        self.num_iterations = check_args(args)
+    def __init__(self, args: Args, envs, device):
         obs_space, act_space = envs.single_observation_space, envs.single_action_space
         check_box_spaces("SAC", obs_space, act_space)
-        check_envs("SAC", args, envs, eval_envs)
         self.obs_dim, self.action_dim, H = obs_space.shape[0], act_space.shape[0], args.hidden_dim
         self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
         self.high = torch.as_tensor(act_space.high, dtype=torch.float32, device=device)
@@ -228,7 +226,7 @@ class SAC(ActorCriticLoop):
         self.q_target = self.q_online.clone()
         _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"))
 
-        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)  # make_adam and accelerate
+        wrap = leanrl.wrap_flags(args, device)
         # Temperature: log_alpha is learned (autotune) or a constant.
         self.target_entropy = -float(self.action_dim)
         if args.autotune:
@@ -248,8 +246,9 @@ class SAC(ActorCriticLoop):
             make_update_actor(self.actor, self.twin_q, self.q_online, self.log_alpha, self.actor_optimizer,
                               self.alpha_optimizer, self.target_entropy), name="update_actor", **wrap)
 
-        self.init_loop()
-        self.actor_updates = args.policy_frequency  # compensate for the delay, as CleanRL
+    def random_actions(self, n: int):
+        """Uniform in the action bounds, drawn with torch on the run's device."""
+        return self.low + (self.high - self.low) * torch.rand(n, self.action_dim, device=self.low.device)
 
     def eval_policy(self, obs):
         return deterministic_action(self.actor_inference, obs)
@@ -258,8 +257,7 @@ class SAC(ActorCriticLoop):
         return dict(actor=self.actor.state_dict(), q_params=self.q_online.to_dict(), q_target=self.q_target.to_dict(),
                     log_alpha=self.log_alpha.detach(), q_optimizer=self.q_optimizer.state_dict(),
                     actor_optimizer=self.actor_optimizer.state_dict(),
-                    alpha_optimizer=self.alpha_optimizer.state_dict() if self.alpha_optimizer else None,
-                    **loop_state(self))
+                    alpha_optimizer=self.alpha_optimizer.state_dict() if self.alpha_optimizer else None)
 
     def load_state_dict(self, state):
         # In place, so every address a captured graph holds stays valid.
@@ -268,15 +266,59 @@ class SAC(ActorCriticLoop):
         self.q_target.update_(state["q_target"])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
-        self.q_optimizer.load_state_dict(state["q_optimizer"])
-        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
+        leanrl.load_optimizer_state(self.q_optimizer, state["q_optimizer"])
+        leanrl.load_optimizer_state(self.actor_optimizer, state["actor_optimizer"])
         if self.alpha_optimizer is not None:
-            self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
-        load_loop_state(self, state)
+            leanrl.load_optimizer_state(self.alpha_optimizer, state["alpha_optimizer"])
 
 
-def train(args: Args, envs, device=None, eval_envs=None) -> SAC:
-    """Run SAC to `args.total_timesteps` (logging, checkpoints, resume: see `leanrl.run`)."""
-    device = device or leanrl.resolve_device(args.device)
+def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
+    """Run SAC to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
+    `leanrl.offpolicy.Run` (learner, buffer, counters). `on_iteration(iteration, global_step)`, when given, is
+    called after every iteration (the benchmarks time the loop with it)."""
+    num_iterations = check_args(args)
+    check_envs("SAC", args, envs, eval_envs)
+    device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    return leanrl.run(SAC(args, envs, device, eval_envs), args)
+    sac = SAC(args, envs, device)
+    run, ckpt_path = start(sac, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs)
+    # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
+    logger = leanrl.Logger.from_args(args, os.path.dirname(ckpt_path), args.total_timesteps,
+                                     start_step=run.global_step,
+                                     burn_in=burn_in(args, run, (leanrl.WARMUP + 1) * args.policy_frequency + 1))
+    critic_out = actor_out = None  # the last update outputs, read at log boundaries
+    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer)):
+        for iteration in range(run.iteration + 1, num_iterations + 1):
+            with torch.no_grad():
+                action = (sac.random_actions(args.num_envs) if run.global_step < args.learning_starts
+                          else sac.policy(run.obs))
+            out = envs.step(action)
+            store(run.rb, run.obs, action, out, out["final_obs"])  # final_obs: bootstrap through a time limit
+            run.obs = out["next_obs"]
+            before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
+
+            if run.global_step - run.fill_start > args.learning_starts:
+                run.updates += 1
+                data = run.rb.sample()
+                critic_out = sac.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
+                                               data["terminated"])
+                if iteration % args.policy_frequency == 0:
+                    for _ in range(args.policy_frequency):  # compensate for the delay, as CleanRL
+                        actor_out = sac.update_actor(data["obs"])
+
+            if args.eval_every and crossings(before, run.global_step, args.eval_every):
+                logger.record({"charts/eval_return": evaluate(sac.eval_policy, eval_envs, args.seed + 10_000)})
+            logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
+            logger.end_iteration(run.global_step)
+            if iteration % args.log_every == 0 or iteration == num_iterations:
+                for names, values in ((CRITIC_METRICS, critic_out), (ACTOR_METRICS, actor_out)):
+                    if values is not None:
+                        logger.record(dict(zip(names, values.unbind())))
+                logger.flush()  # the one device-to-host read of a log boundary
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+            if on_iteration is not None:
+                on_iteration(iteration, run.global_step)
+        run.logged = logger.last
+    leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+    return run

@@ -2,16 +2,18 @@
 
 Read top to bottom: arguments, networks, the twin critic (both Q networks in ONE stacked parameter
 TensorDict, evaluated with one `torch.vmap` call), the targets, the three functions `leanrl.accelerate`
-compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor`), then the learner. The loop that
-calls them is CleanRL's, shared with SAC: `leanrl.offpolicy.ActorCriticLoop`.
-Depends only on leanrl, torch and tensordict (torchrl's replay buffer through `leanrl.offpolicy`);
-environments are passed in (see `envs/`).
+compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor`), the learner that builds them once, and
+`train`: CleanRL's loop, with the policy delay. The file imports only leanrl, torch and tensordict. From
+leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints) and `leanrl.offpolicy` (argument
+checks, torchrl's replay buffer and its checkpoint, evaluation). Environments are passed in: a vector env whose
+step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
 
 Bootstrapping: a transition stores the true next observation (the env's `final_obs`, which differs from
 `next_obs` only where an episode ended and was auto-reset) and `terminated` apart from `truncated`.
 The target cuts the bootstrap only on termination; a time-limit truncation bootstraps from `final_obs`.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +22,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict, from_module, from_modules
 
 import leanrl
-from leanrl.offpolicy import (ActorCriticLoop, check_box_spaces, check_envs, check_replay_args, load_loop_state,
-                              loop_state, make_twin_q)
+from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, crossings, evaluate,
+                              make_replay_buffer, make_twin_q, start, store)
 
 
 @dataclass
@@ -166,17 +168,12 @@ def make_update_actor(actor, q_value, q1_params, targets, online, optimizer, tau
 
 
 # ------------------------------------------------------------------------------------------- training
-class TD3(ActorCriticLoop):
-    """Actor, twin critic, targets, optimizers, replay buffer and the accelerated functions, built once."""
+class TD3:
+    """Actor, twin critic, targets, optimizers and the accelerated functions, built once."""
 
-    critic_metrics, actor_metrics = CRITIC_METRICS, ACTOR_METRICS
-
-    def __init__(self, args: Args, envs, device, eval_envs=None):
-        self.args, self.envs, self.eval_envs, self.device = args, envs, eval_envs, torch.device(device)
-        self.num_iterations = check_args(args)
+    def __init__(self, args: Args, envs, device):
         obs_space, act_space = envs.single_observation_space, envs.single_action_space
         check_box_spaces("TD3", obs_space, act_space)
-        check_envs("TD3", args, envs, eval_envs)
         obs_dim, H = obs_space.shape[0], args.hidden_dim
         self.obs_dim, self.action_dim = obs_dim, act_space.shape[0]
         self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
@@ -196,7 +193,7 @@ class TD3(ActorCriticLoop):
         self.actor_target = Actor(obs_dim, act_space, H, "meta")
         self.targets["actor"].to_module(self.actor_target)
 
-        wrap = dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)  # make_adam and accelerate
+        wrap = leanrl.wrap_flags(args, device)
         self.q_optimizer = leanrl.make_adam(list(self.q_params.values(True, True)), args.learning_rate, **wrap)
         self.actor_optimizer = leanrl.make_adam(list(self.actor.parameters()), args.learning_rate, **wrap)
 
@@ -209,7 +206,9 @@ class TD3(ActorCriticLoop):
             make_update_actor(self.actor, self.q_value, self.q_params.data[0], self.targets, self.online,
                               self.actor_optimizer, args.tau), name="update_actor", **wrap)
 
-        self.init_loop()
+    def random_actions(self, n: int):
+        """Uniform in the action bounds, drawn with torch on the run's device."""
+        return self.low + (self.high - self.low) * torch.rand(n, self.action_dim, device=self.low.device)
 
     def eval_policy(self, obs):
         return self.actor_inference(obs)
@@ -217,20 +216,63 @@ class TD3(ActorCriticLoop):
     def state_dict(self):
         return dict(actor=self.actor.state_dict(), q_params=self.q_params.data.to_dict(),
                     targets=self.targets.to_dict(), q_optimizer=self.q_optimizer.state_dict(),
-                    actor_optimizer=self.actor_optimizer.state_dict(), **loop_state(self))
+                    actor_optimizer=self.actor_optimizer.state_dict())
 
     def load_state_dict(self, state):
         # In place, so every address a captured graph holds stays valid.
         self.actor.load_state_dict(state["actor"])
         self.q_params.data.update_(state["q_params"])
         self.targets.update_(state["targets"])
-        self.q_optimizer.load_state_dict(state["q_optimizer"])
-        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        load_loop_state(self, state)
+        leanrl.load_optimizer_state(self.q_optimizer, state["q_optimizer"])
+        leanrl.load_optimizer_state(self.actor_optimizer, state["actor_optimizer"])
 
 
-def train(args: Args, envs, device=None, eval_envs=None) -> TD3:
-    """Run TD3 to `args.total_timesteps` (logging, checkpoints, resume: see `leanrl.run`)."""
-    device = device or leanrl.resolve_device(args.device)
+def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
+    """Run TD3 to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
+    `leanrl.offpolicy.Run` (learner, buffer, counters). `on_iteration(iteration, global_step)`, when given, is
+    called after every iteration (the benchmarks time the loop with it)."""
+    num_iterations = check_args(args)
+    check_envs("TD3", args, envs, eval_envs)
+    device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    return leanrl.run(TD3(args, envs, device, eval_envs), args)
+    td3 = TD3(args, envs, device)
+    run, ckpt_path = start(td3, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs)
+    # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
+    logger = leanrl.Logger.from_args(args, os.path.dirname(ckpt_path), args.total_timesteps,
+                                     start_step=run.global_step,
+                                     burn_in=burn_in(args, run, (leanrl.WARMUP + 1) * args.policy_frequency + 1))
+    critic_out = actor_out = None  # the last update outputs, read at log boundaries
+    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer)):
+        for iteration in range(run.iteration + 1, num_iterations + 1):
+            with torch.no_grad():
+                action = (td3.random_actions(args.num_envs) if run.global_step < args.learning_starts
+                          else td3.policy(run.obs))
+            out = envs.step(action)
+            store(run.rb, run.obs, action, out, out["final_obs"])  # final_obs: bootstrap through a time limit
+            run.obs = out["next_obs"]
+            before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
+
+            if run.global_step - run.fill_start > args.learning_starts:
+                run.updates += 1
+                data = run.rb.sample()
+                critic_out = td3.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
+                                               data["terminated"])
+                if iteration % args.policy_frequency == 0:  # the delay: actor and targets move less often
+                    actor_out = td3.update_actor(data["obs"])
+
+            if args.eval_every and crossings(before, run.global_step, args.eval_every):
+                logger.record({"charts/eval_return": evaluate(td3.eval_policy, eval_envs, args.seed + 10_000)})
+            logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
+            logger.end_iteration(run.global_step)
+            if iteration % args.log_every == 0 or iteration == num_iterations:
+                for names, values in ((CRITIC_METRICS, critic_out), (ACTOR_METRICS, actor_out)):
+                    if values is not None:
+                        logger.record(dict(zip(names, values.unbind())))
+                logger.flush()  # the one device-to-host read of a log boundary
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+            if on_iteration is not None:
+                on_iteration(iteration, run.global_step)
+        run.logged = logger.last
+    leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+    return run

@@ -1,34 +1,70 @@
-"""What the benchmark measures: one entry per algorithm run, built exactly as its script builds it.
+"""What the benchmark measures: one entry per algorithm run, with the settings its script runs.
 
-An entry names a script in `scripts/` (its `Args` defaults are the sizes measured), the algorithm class
-(which provides `benchmark_calls()`, `train_iteration(logger)`, `reset(seed)`, `iteration` and
-`global_step`), how the script builds its envs, the few `Args` the benchmark changes, and tiny sizes for
-`--quick`. Adding an algorithm is one entry here.
+An entry names the algorithm module (its `train(args, envs, device, on_iteration=...)` is the loop measured
+end to end, the same the script calls), the script's `DEFAULTS` (the sizes measured), how the script builds its
+envs, the few `Args` the benchmark changes, tiny sizes for `--quick`, and `calls`: the algorithm's accelerated
+functions with inputs of the run's shapes, for per-call timing. Adding an algorithm is one entry here.
 """
 
-import functools
-import importlib
-import importlib.util
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from tensordict import from_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the scripts' DEFAULTS are imported from the checkout's scripts/
+
+import leanrl  # noqa: E402
+from leanrl.algorithms import dqn, ppo, sac, td3  # noqa: E402
+from leanrl.envs import make_env  # noqa: E402
+from leanrl.offpolicy import box_calls, make_envs  # noqa: E402
+from scripts import (dqn_atari, dqn_cartpole, ppo_atari, ppo_cartpole, ppo_continuous, sac_continuous,  # noqa: E402
+                     td3_continuous)
 
 # mode -> (compile, cudagraphs), the flags every script takes
 MODES = {"eager": (False, False), "compile": (True, False), "cudagraphs": (False, True),
          "compile+cudagraphs": (True, True)}
 
 
+def ppo_calls(args, envs, device) -> dict:
+    """PPO's policy and update, built from ppo.py's pieces as its `train` builds them, on its storage's shapes."""
+    agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device)
+    agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
+    from_module(agent).data.to_module(agent_inference)
+    wrap = leanrl.wrap_flags(args, device)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)
+    policy = leanrl.accelerate(ppo.make_policy(agent_inference), name="policy", **wrap)
+    update = leanrl.accelerate(ppo.make_update(agent, optimizer, args), name="update", **wrap)
+    mb = ppo.make_storage(envs, args, device).reshape(-1)[:args.num_envs * args.num_steps // args.num_minibatches]
+    obs = envs.reset(seed=args.seed)
+    return dict(policy=(policy, (obs,)), update=(update, (mb["obs"], mb["actions"], mb["logprobs"],
+                                                          torch.randn_like(mb["values"]),
+                                                          torch.randn_like(mb["values"]), mb["values"])))
+
+
+def offpolicy_calls(learner_cls, benchmark_calls=box_calls):
+    def calls(args, envs, device):
+        return benchmark_calls(learner_cls(args, envs, device), args, device)
+    return calls
+
+
+def dqn_calls(args, envs, device):
+    return dqn.DQN(args, envs, device).benchmark_calls(args, envs.single_observation_space.shape, device)
+
+
 @dataclass(frozen=True)
 class Entry:
-    script: str
-    """file in scripts/ whose `Args` defaults are benchmarked"""
-    algo: str
-    """"module:Class" of the algorithm"""
-    env_args: tuple = ()
-    """`Args` fields the script passes to `make_env` besides env_id, num_envs, device and seed"""
-    env_fn: str | None = None
-    """the script's own env factory `fn(env_id, num_envs, device, seed)`, when it has one"""
+    algorithm: object
+    """the algorithm module: its `train` is measured end to end"""
+    defaults: object
+    """the script's `DEFAULTS` (its `Args`), the sizes measured"""
+    envs: Callable
+    """`envs(args, device)`: the envs as the script builds them"""
+    calls: Callable
+    """`calls(args, envs, device)`: {name: (accelerated function, inputs)} for per-call timing"""
     overrides: dict = field(default_factory=dict)
     """`Args` overrides in every benchmark run (say why next to each)"""
     quick: dict = field(default_factory=dict)
@@ -47,24 +83,35 @@ class Scaling:
     """`Args` overrides; where a variant of the iteration (e.g. one graph per iteration) is switched on"""
 
 
+def plain_envs(*fields):
+    """`make_env` with the script's env arguments named by `fields`."""
+    return lambda args, device: make_env(args.env_id, args.num_envs, device=device, seed=args.seed,
+                                         **{k: getattr(args, k) for k in fields})
+
+
+def raw_envs(args, device):
+    return make_envs(args, args.num_envs, device, args.seed, raw=True)
+
+
 # Cheapest first: a run cut short by a time limit keeps the most entries (results are saved after each).
 # Off-policy entries start learning as soon as a batch is in the buffer (CleanRL waits 5k to 80k random
 # steps), so that the iterations measured after burn-in are learning iterations.
 ENTRIES = {
-    "ppo_cartpole": Entry("ppo_cartpole.py", "leanrl.algorithms.ppo:PPO", quick=dict(num_steps=16, update_epochs=2)),
-    "dqn_cartpole": Entry("dqn_cartpole.py", "leanrl.algorithms.dqn:DQN", overrides=dict(learning_starts=128),
+    "ppo_cartpole": Entry(ppo, ppo_cartpole.DEFAULTS, plain_envs(), ppo_calls,
+                          quick=dict(num_steps=16, update_epochs=2)),
+    "dqn_cartpole": Entry(dqn, dqn_cartpole.DEFAULTS, plain_envs(), dqn_calls, overrides=dict(learning_starts=128),
                           quick=dict(batch_size=32, learning_starts=32)),
-    "td3_continuous": Entry("td3_continuous.py", "leanrl.algorithms.td3:TD3", env_fn="make",
+    "td3_continuous": Entry(td3, td3_continuous.DEFAULTS, raw_envs, offpolicy_calls(td3.TD3),
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
-    "sac_continuous": Entry("sac_continuous.py", "leanrl.algorithms.sac:SAC", env_fn="make",
+    "sac_continuous": Entry(sac, sac_continuous.DEFAULTS, raw_envs, offpolicy_calls(sac.SAC),
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
-    "ppo_atari": Entry("ppo_atari.py", "leanrl.algorithms.ppo:PPO", env_args=("sticky_actions",),
+    "ppo_atari": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
                        quick=dict(num_envs=2, num_steps=16)),
     # 1e6 stacked Atari frames are 35 GB: a smaller buffer changes the memory, not the time of a step.
-    "dqn_atari": Entry("dqn_atari.py", "leanrl.algorithms.dqn:DQN", env_args=("sticky_actions",),
+    "dqn_atari": Entry(dqn, dqn_atari.DEFAULTS, plain_envs("sticky_actions"), dqn_calls,
                        overrides=dict(learning_starts=32, buffer_size=50_000), quick=dict(buffer_size=1_000)),
     # Its compile is the longest: `gae` unrolls a 2048-step loop.
-    "ppo_continuous": Entry("ppo_continuous.py", "leanrl.algorithms.ppo:PPO", env_args=("gamma",),
+    "ppo_continuous": Entry(ppo, ppo_continuous.DEFAULTS, plain_envs("gamma"), ppo_calls,
                             quick=dict(num_steps=64, num_minibatches=2, update_epochs=2)),
 }
 
@@ -77,48 +124,7 @@ SCALING = {
 }
 
 
-def missing(name: str) -> str | None:
-    """Why an entry cannot run in this checkout (its script or algorithm not written yet), else None."""
-    entry = ENTRIES[SCALING[name].entry] if name in SCALING else ENTRIES[name]
-    if not os.path.isfile(os.path.join(ROOT, "scripts", entry.script)):
-        return f"scripts/{entry.script} not found"
-    if importlib.util.find_spec(entry.algo.split(":")[0]) is None:
-        return f"{entry.algo.split(':')[0]} not found"
-    return None
-
-
-@functools.cache
-def load_script(script: str):
-    """The script as a module (its `Args`, maybe an env factory); `scripts/` is not a package, so by path."""
-    path = os.path.join(ROOT, "scripts", script)
-    spec = importlib.util.spec_from_file_location(f"_benchmarked_{script.removesuffix('.py')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # its `if __name__ == "__main__"` block does not run
-    return module
-
-
 def make_args(name: str, quick: bool, **overrides):
-    """The script's `Args` with the entry's overrides (and --quick sizes), then the caller's."""
+    """The script's `DEFAULTS` with the entry's overrides (and --quick sizes), then the caller's."""
     entry = ENTRIES[name]
-    return load_script(entry.script).Args(**{**entry.overrides, **(entry.quick if quick else {}), **overrides})
-
-
-def build(name: str, mode: str, device, quick: bool, **overrides):
-    """(algorithm, envs, args) as the script builds them, in `mode`, seeded, reset."""
-    import leanrl
-    from leanrl.envs import make_env
-
-    entry = ENTRIES[name]
-    compile, cudagraphs = MODES[mode]
-    args = make_args(name, quick, compile=compile, cudagraphs=cudagraphs, device=str(device), progress=False,
-                     **overrides)
-    leanrl.seed_everything(args.seed, args.torch_deterministic)
-    if entry.env_fn:
-        envs = getattr(load_script(entry.script), entry.env_fn)(args.env_id, args.num_envs, device, args.seed)
-    else:
-        envs = make_env(args.env_id, args.num_envs, device=device, seed=args.seed,
-                        **{k: getattr(args, k) for k in entry.env_args})
-    module, cls = entry.algo.split(":")
-    algo = getattr(importlib.import_module(module), cls)(args, envs, device)
-    algo.reset(args.seed)
-    return algo, envs, args
+    return replace(entry.defaults, **{**entry.overrides, **(entry.quick if quick else {}), **overrides})

@@ -1,8 +1,9 @@
 """Eager vs compile vs CUDA graphs, side by side, on this machine: `python benchmarks/run.py`.
 
 For every entry of benchmarks/entries.py and every mode the machine supports, a worker process measures
-the time per call of each function the algorithm hands out (`benchmark_calls()`, identical inputs in
-every mode), compile and capture time, end-to-end env-steps/s after burn-in, and peak memory; on GPU also
+the time per call of each accelerated function of the algorithm (its entry's `calls`, identical inputs in
+every mode), compile and capture time, end-to-end env-steps/s of the algorithm's own `train` after burn-in, and
+peak memory; on GPU also
 the fraction of the wall time the GPU is busy. It writes to benchmarks/results/<machine>/: results.json
 (machine, settings, every figure, the targets), a markdown table and a PNG chart per entry, summary.md;
 the summary is printed at the end. Entries measured by an earlier run into the same folder are kept, so
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import targets  # noqa: E402
-from entries import ENTRIES, MODES, SCALING, make_args, missing  # noqa: E402
+from entries import ENTRIES, MODES, SCALING, make_args  # noqa: E402
 from leanrl import resolve_device  # noqa: E402
 from measure import machine_info  # noqa: E402
 from report import summary_markdown, write_all  # noqa: E402
@@ -97,10 +98,10 @@ def previous(out: str, machine: dict, quick: bool) -> dict:
 
 
 def main():
-    available = [n for n in [*ENTRIES, *SCALING] if missing(n) is None]
+    available = [*ENTRIES, *SCALING]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algos", default=",".join(available),
-                   help=f"comma-separated entries (default: every one this checkout has: {','.join(available)})")
+                   help=f"comma-separated entries (default: all of {','.join(available)})")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--repeats", type=int, default=50, help="most timed samples per function (fewer for slow ones)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a CI smoke run")
@@ -115,14 +116,8 @@ def main():
     for n in names:
         if n not in ENTRIES and n not in SCALING:
             p.error(f"unknown entry {n!r}; known: {', '.join([*ENTRIES, *SCALING])}")
-        if missing(n):
-            p.error(f"{n}: {missing(n)}")
     if not modes or len(modes) != len(set(a.modes.split(","))):
         p.error(f"--modes {a.modes!r}: choose from {', '.join(MODES)}")
-    skipped = [f"{n} ({missing(n)})" for n in [*ENTRIES, *SCALING] if missing(n)]
-    if skipped:
-        print(f"not in this checkout, skipped: {'; '.join(skipped)}", file=sys.stderr)
-
     device = resolve_device(a.device)
     machine = machine_info(device)
     out = a.out or os.path.join(HERE, "results", machine["slug"] + ("-quick" if a.quick else ""))

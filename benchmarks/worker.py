@@ -1,14 +1,14 @@
 """Measure one entry in the given modes, all in one process, and write the figures as JSON.
 
-Each mode is built and warmed up on its own (its first calls give compile and capture time, and the
-memory it grows by), then the timed samples of all modes are taken in turn, round robin: a load spike
-from another process hits every mode alike, so the ratios between modes hold on a busy machine.
+Each mode is built on its own, its accelerated functions' first calls give compile and capture time; the timed
+calls of all modes are taken in turn, round robin: a load spike from another process hits every mode alike, so
+the ratios between modes hold on a busy machine. End to end, each mode runs the algorithm's own `train` (the
+loop its script runs) for a few timed blocks after burn-in, through `train`'s `on_iteration` hook.
 
     python benchmarks/worker.py ppo_cartpole --modes eager,compile --device cpu --result out.json
 """
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -16,18 +16,13 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+from torch._dynamo.utils import counters
 
-import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+import leanrl
+from entries import ENTRIES, MODES, SCALING, make_args
+from measure import gpu_busy, memory_growth_mb, memory_mark, sync, time_interleaved, timed
 
-import leanrl  # noqa: E402
-from entries import ENTRIES, MODES, SCALING, build  # noqa: E402
-from measure import gpu_busy, memory_growth_mb, memory_mark, sync, time_interleaved, timed  # noqa: E402
-
-# CudaGraphModule runs `warmup - 1` plain calls (the first one compiles), then captures on the next.
-WARMUP = inspect.signature(leanrl.accelerate).parameters["warmup"].default
 # Seconds per mode spent timing each function and timing end-to-end training: enough samples for a
 # stable median on a shared CPU; on GPU, short, to aim at the whole suite in one 10-minute call.
 BUDGETS = {"cpu": dict(budget_s=4.0, measure_s=6.0), "cuda": dict(budget_s=1.0, measure_s=2.0),
@@ -38,62 +33,81 @@ def log(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
 
+class Measured(Exception):
+    """Raised by the hook to end a training run once it has been timed."""
+
+
 class Run:
-    """One mode of the entry: its algorithm and envs, the functions it hands out, its figures."""
+    """One mode of the entry: its args, envs and accelerated functions, and its figures."""
 
     def __init__(self, name, mode, device, quick, run_dir, overrides):
         compile, cudagraphs = MODES[mode]
-        self.device = device
+        self.name, self.mode, self.device = name, mode, device
         self.graphs = cudagraphs and device.type == "cuda"
-        mark = memory_mark(device)
-        self.algo, self.envs, self.args = build(name, mode, device, quick, **overrides)
-        self.calls = self.algo.benchmark_calls()
+        self.entry = ENTRIES[name]
+        # No checkpoints while timed; a horizon far enough that the timed blocks end the run, not the schedule.
+        self.args = make_args(name, quick, compile=compile, cudagraphs=cudagraphs, device=str(device),
+                              progress=False, run_dir=run_dir, checkpoint_every=0,
+                              **{"total_timesteps": 10**10, **overrides})
+        self.mark = memory_mark(device)
+        leanrl.seed_everything(self.args.seed, self.args.torch_deterministic)
+        self.envs = self.entry.envs(self.args, device)
+        self.calls = self.entry.calls(self.args, self.envs, device)
         self.result = dict(status="ok", calls={})
         for fn_name, (fn, args) in self.calls.items():
             cache = dict(counters["inductor"])
-            first = [timed(fn, args, device) for _ in range(WARMUP + 1)]
+            first = [timed(fn, args, device) for _ in range(leanrl.WARMUP + 1)]
             c = self.result["calls"][fn_name] = dict(
                 first_calls_s=first, input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)])
             if compile:
                 c["compile_s"] = first[0]  # dynamo and inductor run inside the first call
                 c["inductor_cache"] = cache_state(cache)
             if self.graphs:
-                c["capture_s"] = first[WARMUP - 1]
+                c["capture_s"] = first[leanrl.WARMUP - 1]
             log(f"  {name} {mode} {fn_name}: first calls " + ", ".join(f"{t:.3g}" for t in first) + " s")
-        self.logger = leanrl.Logger(run_dir, {}, total_steps=0, progress=False, burn_in=1)
-        # Off-policy, the buffer fills to learning_starts first; then the phases not in benchmark_calls
-        # compile on their first call and are captured on call WARMUP.
-        t = time.perf_counter()
-        while self.algo.global_step <= getattr(self.args, "learning_starts", -1):
-            self.iteration()
-        for _ in range(WARMUP if self.graphs else 1):
-            self.iteration()
-        sync(device)
-        self.result["burn_in_s"] = time.perf_counter() - t
-        if (growth := memory_growth_mb(device, mark)) is not None:
+
+    def train(self, measure_s: float, blocks: int = 5):
+        """The algorithm's `train`, timed in `blocks` blocks of `measure_s / blocks` seconds after burn-in (off
+        policy the buffer fills to learning_starts first; then every phase compiles on its first call and is
+        captured on call WARMUP), with no sync inside a block; ends the run when timed."""
+        learning_starts = getattr(self.args, "learning_starts", -1)
+        burn_in = leanrl.WARMUP if self.graphs else 1
+        state = dict(after=None, t=None, step=None, seconds=0.0, steps=0, iterations=0, blocks=0)
+        t_start = time.perf_counter()
+
+        def on_iteration(iteration, global_step):
+            if state["after"] is None:  # burning in
+                if global_step > learning_starts:
+                    state["after"] = iteration + burn_in
+                return
+            if iteration < state["after"]:
+                return
+            if state["t"] is None:
+                sync(self.device)
+                if "burn_in_s" not in self.result:
+                    self.result["burn_in_s"] = time.perf_counter() - t_start
+                state.update(t=time.perf_counter(), step=global_step, n=iteration)
+                return
+            if time.perf_counter() - state["t"] >= measure_s / blocks:
+                sync(self.device)
+                state["seconds"] += time.perf_counter() - state["t"]
+                state["steps"] += global_step - state["step"]
+                state["iterations"] += iteration - state["n"]
+                state["blocks"] += 1
+                if state["blocks"] == blocks:
+                    raise Measured
+                state.update(t=time.perf_counter(), step=global_step, n=iteration)
+
+        try:
+            self.entry.algorithm.train(self.args, self.envs, self.device, on_iteration=on_iteration)
+        except Measured:
+            pass
+        if (growth := memory_growth_mb(self.device, self.mark)) is not None:
             self.result["memory_growth_mb"] = growth
-        self.seconds = self.steps = self.iterations = 0
-
-    def iteration(self):
-        """One training iteration, logged as `leanrl.run` logs it."""
-        self.algo.train_iteration(self.logger)
-        self.logger.end_iteration(self.algo.global_step)
-        if self.algo.iteration % self.args.log_every == 0:
-            self.logger.flush()  # the one device-to-host read of a log boundary
-
-    def timed_block(self, block_s: float):
-        """Iterations for `block_s` seconds (at least one), timed as a whole: no sync in between."""
-        sync(self.device)
-        t, step = time.perf_counter(), self.algo.global_step
-        while time.perf_counter() - t < block_s:
-            self.iteration()
-            self.iterations += 1
-        sync(self.device)
-        self.seconds += time.perf_counter() - t
-        self.steps += self.algo.global_step - step
+        self.result.update(sps=state["steps"] / state["seconds"], train_iterations=state["iterations"])
+        log(f"  {self.name} {self.mode}: {self.result['sps']:,.0f} env-steps/s")
 
     def close(self):
-        self.logger.close()
         self.envs.close()
 
 
@@ -140,13 +154,9 @@ def measure(name, modes, device, quick, repeats, **overrides) -> dict:
                     if fraction is not None:
                         c["gpu_busy"] = fraction
             guarded(alive, "GPU profile", busy)
-        # Training in turns too, a block of iterations each, until every mode has trained `measure_s`.
-        while alive and min(r.seconds for r in alive.values()) < budget["measure_s"]:
-            guarded(alive, "training", lambda run: run.timed_block(budget["measure_s"] / 5))
+        # End to end, one mode after the other: each is its own `train` run.
+        guarded(alive, "training", lambda run: run.train(budget["measure_s"]))
         for mode, run in runs.items():
-            if run.result["status"] == "ok":
-                run.result.update(sps=run.steps / run.seconds, train_iterations=run.iterations)
-                log(f"  {name} {mode}: {run.result['sps']:,.0f} env-steps/s")
             run.close()
             results[mode] = run.result
     return {m: results[m] for m in modes}

@@ -1,8 +1,11 @@
-"""What the off-policy algorithms (TD3, SAC, DQN) share: the checks on their common arguments, torchrl's replay
-buffer and its place in a checkpoint, the vmapped twin critic and the training loop of TD3 and SAC, and a
-periodic deterministic evaluation on an env of its own. Each algorithm's own math stays in its file."""
+"""Tools the off-policy loops (TD3, SAC, DQN) call; each loop itself is in its algorithm's file: the checks on
+their common arguments, torchrl's replay buffer and its place in a checkpoint, where a run stands (`Run`), the
+Logger's burn-in for a run that compiles only once learning starts, the vmapped twin critic, a periodic
+deterministic evaluation on an env of its own, and what a script's `main` does."""
 
+import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -85,96 +88,72 @@ def store(rb: ReplayBuffer, obs, action, out, next_obs):
     rb.extend(TensorDict(obs=obs, action=action, reward=out["reward"], next_obs=next_obs,
                          terminated=out["terminated"], truncated=out["truncated"], batch_size=[obs.shape[0]]))
 
+@dataclass
+class Run:
+    """Where an off-policy run stands: what its checkpoint holds besides the learner's weights and optimizers, and
+    what `train` returns."""
 
-def log_step(algo, logger, out, before: int, *outputs):
-    """After a vector step from global step `before`: the evaluation when one is due, the finished episodes,
-    and at a log boundary the last outputs of the update functions, each given as (names, a stacked tensor, or
-    None before the first update)."""
-    args = algo.args
-    if args.eval_every and crossings(before, algo.global_step, args.eval_every):
-        logger.record({"charts/eval_return": evaluate(algo.eval_policy, algo.eval_envs, args.seed + 10_000)})
-    logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
-    if algo.iteration % args.log_every == 0 or algo.iteration == algo.num_iterations:
-        logger.record({k: v for names, values in outputs if values is not None
-                       for k, v in zip(names, values.unbind())})
+    learner: object
+    """the algorithm's networks, optimizers and accelerated functions (with `state_dict` / `load_state_dict`)"""
+    rb: ReplayBuffer
+    obs: torch.Tensor | None = None
+    """the observation the next action is taken from"""
+    global_step: int = 0
+    iteration: int = 0
+    fill_start: int = 0
+    """global step at which the buffer started filling (moves when resumed without the buffer)"""
+    updates: int = 0
+    """updates by this process (compile and capture happen in the first few)"""
+    logged: dict = field(default_factory=dict)
+    """the last values written to the log"""
 
+    def state_dict(self, envs, save_buffer: bool) -> dict:
+        return dict(self.learner.state_dict(), envs=envs.state_dict(), obs=self.obs, global_step=self.global_step,
+                    iteration=self.iteration, fill_start=self.fill_start,
+                    replay_buffer=replay_state_dict(self.rb, save_buffer))
 
-class ActorCriticLoop:
-    """TD3's and SAC's loop, as CleanRL's: act uniformly at random until `learning_starts`, then with `policy`;
-    once the buffer holds `learning_starts` transitions, one critic update per vector step and, every
-    `policy_frequency` steps, `actor_updates` actor updates. A subclass builds `policy`, `update_critic`,
-    `update_actor`, `envs`, `low`, `high`, `obs_dim` and `action_dim`, then calls `init_loop`; its own math
-    lives in those functions, the names of what they return in `critic_metrics` and `actor_metrics`."""
-
-    actor_updates = 1  # per delayed actor step (SAC: policy_frequency, to compensate for the delay)
-    critic_metrics: tuple[str, ...]
-    actor_metrics: tuple[str, ...]
-
-    def init_loop(self):
-        self.rb = make_replay_buffer(self.args.buffer_size, self.args.batch_size, self.device)
-        self.obs = None
-        self.critic_out = self.actor_out = None  # the last update outputs, read at log boundaries
-        self.logged = {}  # the last values written to the log (set by leanrl.run)
-        self.global_step = self.iteration = 0
-        self.updates = 0  # critic updates by this process (compile and capture happen in the first few)
-        self.fill_start = 0  # global step at which the buffer started filling (moves when resumed without it)
-
-    def random_actions(self):
-        """Uniform in the action bounds, drawn with torch on the run's device."""
-        u = torch.rand(self.args.num_envs, self.action_dim, device=self.device)
-        return self.low + (self.high - self.low) * u
-
-    def reset(self, seed):
-        self.obs = self.envs.reset(seed=seed)
-
-    def train_iteration(self, logger):
-        args = self.args
-        with torch.no_grad():
-            action = self.random_actions() if self.global_step < args.learning_starts else self.policy(self.obs)
-        out = self.envs.step(action)
-        store(self.rb, self.obs, action, out, out["final_obs"])
-        self.obs = out["next_obs"]
-        before, self.global_step = self.global_step, self.global_step + args.num_envs
-        self.iteration += 1
-        if self.global_step - self.fill_start > args.learning_starts:
-            self.updates += 1
-            data = self.rb.sample()
-            self.critic_out = self.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
-                                                 data["terminated"])
-            if self.iteration % args.policy_frequency == 0:
-                for _ in range(self.actor_updates):
-                    self.actor_out = self.update_actor(data["obs"])
-        if self.updates == 3 * args.policy_frequency + 1:
-            # Every function has now been compiled and captured (CUDA graphs capture within the first calls):
-            # restart the logger's SPS clock at the end of this iteration, so compile time does not dilute SPS.
-            logger.burn_in = logger.iterations + 1
-        log_step(self, logger, out, before, (self.critic_metrics, self.critic_out),
-                 (self.actor_metrics, self.actor_out))
-
-    def benchmark_calls(self):
-        """The accelerated functions with inputs of this run's shapes, for `benchmarks/run.py`."""
-        B, device = self.args.batch_size, self.device
-        obs, next_obs = torch.randn(B, self.obs_dim, device=device), torch.randn(B, self.obs_dim, device=device)
-        actions = self.low + (self.high - self.low) * torch.rand(B, self.action_dim, device=device)
-        rewards, terminated = torch.randn(B, device=device), torch.zeros(B, dtype=torch.bool, device=device)
-        policy_obs = torch.randn(self.args.num_envs, self.obs_dim, device=device)
-        return {"policy": (self.policy, (policy_obs,)),
-                "update_critic": (self.update_critic, (obs, actions, rewards, next_obs, terminated)),
-                "update_actor": (self.update_actor, (obs,))}
+    def load_state_dict(self, state: dict, envs, seed: int):
+        self.learner.load_state_dict(state)
+        self.global_step, self.iteration = state["global_step"], state["iteration"]
+        self.obs = leanrl.restore_envs(envs, state["envs"], state["obs"], seed=seed + self.global_step)
+        restored = load_replay_state_dict(self.rb, state["replay_buffer"])
+        # Without its buffer, a resumed run updates again once learning_starts new transitions are stored.
+        self.fill_start = state["fill_start"] if restored else self.global_step
 
 
-def loop_state(algo) -> dict:
-    """What an off-policy run checkpoints besides its networks and optimizers."""
-    return dict(envs=algo.envs.state_dict(), obs=algo.obs, global_step=algo.global_step, iteration=algo.iteration,
-                fill_start=algo.fill_start, replay_buffer=replay_state_dict(algo.rb, algo.args.save_buffer))
+def start(learner, rb: ReplayBuffer, args, envs) -> tuple[Run, str]:
+    """A fresh run from a reset with `args.seed`, or the one `args.resume` names; and its checkpoint's path."""
+    run = Run(learner, rb)
+    ckpt_path = os.path.join(leanrl.make_run_dir(args, args.env_id), "checkpoint.pt")
+    if args.resume:
+        run.load_state_dict(leanrl.load_checkpoint(args.resume), envs, args.seed)
+    else:
+        run.obs = envs.reset(seed=args.seed)
+    return run, ckpt_path
 
 
-def load_loop_state(algo, state):
-    algo.global_step, algo.iteration = state["global_step"], state["iteration"]
-    algo.obs = leanrl.restore_envs(algo.envs, state["envs"], state["obs"], seed=algo.args.seed + algo.global_step)
-    restored = load_replay_state_dict(algo.rb, state["replay_buffer"])
-    # Without its buffer, a resumed run updates again once learning_starts new transitions are stored.
-    algo.fill_start = state["fill_start"] if restored else algo.global_step
+def burn_in(args, run: Run, updates: int, updates_in=lambda before, after: 1) -> int:
+    """The Logger's burn-in for an off-policy run: the iterations this process takes to its `updates`-th update,
+    after which every accelerated function has been compiled and captured (updates begin only once the buffer
+    holds learning_starts transitions, long after `leanrl.WARMUP` iterations, so compile time would otherwise
+    dilute SPS). `updates_in(before, after)`: the updates of an iteration from global step `before` to `after`."""
+    step, iterations, done = run.global_step, 0, 0
+    while done < updates:
+        before, step, iterations = step, step + args.num_envs, iterations + 1
+        if step - run.fill_start > args.learning_starts:
+            done += updates_in(before, step)
+    return iterations
+
+
+def box_calls(learner, args, device) -> dict:
+    """TD3's and SAC's accelerated functions with inputs of this run's shapes, for per-call timing (benchmarks)."""
+    B, obs_dim, action_dim = args.batch_size, learner.obs_dim, learner.action_dim
+    obs, next_obs = torch.randn(B, obs_dim, device=device), torch.randn(B, obs_dim, device=device)
+    actions = learner.low + (learner.high - learner.low) * torch.rand(B, action_dim, device=device)
+    rewards, terminated = torch.randn(B, device=device), torch.zeros(B, dtype=torch.bool, device=device)
+    return {"policy": (learner.policy, (torch.randn(args.num_envs, obs_dim, device=device),)),
+            "update_critic": (learner.update_critic, (obs, actions, rewards, next_obs, terminated)),
+            "update_actor": (learner.update_actor, (obs,))}
 
 
 def replay_state_dict(rb: ReplayBuffer, include: bool):
@@ -217,3 +196,29 @@ def evaluate(policy, envs, seed: int) -> torch.Tensor:
         finished = finished | ended
         obs = out["next_obs"]
     return returns.mean()
+
+
+def make_envs(args, num_envs: int, device, seed: int, raw: bool = False, **env_kwargs):
+    """`num_envs` envs of `args.env_id`, as the off-policy scripts build them. `raw`: gymnasium envs without
+    running normalization of observations and rewards, as CleanRL's TD3 and SAC (the torch envs never normalize)."""
+    from leanrl.envs import make_env
+
+    if raw and not args.env_id.startswith("torch/"):
+        env_kwargs.update(normalize_obs=False, normalize_reward=False)
+    return make_env(args.env_id, num_envs, device=device, seed=seed, **env_kwargs)
+
+
+def main(algorithm, args, **env_kwargs):
+    """A script's `main`: check `args` (before anything is built), build the envs (see `make_envs`, with
+    `env_kwargs`) and an evaluation env when evaluations are due, train with `algorithm.train`, close them."""
+    algorithm.check_args(args)
+    device = leanrl.resolve_device(args.device)
+    envs = make_envs(args, args.num_envs, device, args.seed, **env_kwargs)
+    eval_envs = (make_envs(args, args.eval_episodes, device, args.seed + 10_000, **env_kwargs)
+                 if args.eval_every else None)
+    try:
+        return algorithm.train(args, envs, device, eval_envs)
+    finally:
+        envs.close()
+        if eval_envs is not None:
+            eval_envs.close()

@@ -1,6 +1,8 @@
 """TD3, SAC and DQN: targets by hand, the stacked twin critic, the in-place Polyak update, the in-graph epsilon
 schedule, compiled against eager, bootstrapping through the replay buffer, checkpoints, and learning on CPU."""
 
+import json
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ from torch.distributions import Normal
 import leanrl
 from leanrl.algorithms import dqn, sac, td3
 from leanrl.envs import make_env
-from leanrl.offpolicy import evaluate, load_replay_state_dict, make_replay_buffer, make_twin_q, replay_state_dict
+from leanrl.offpolicy import (Run, burn_in, evaluate, load_replay_state_dict, make_replay_buffer, make_twin_q,
+                              replay_state_dict)
 
 BOX3 = gym.spaces.Box(-1, 1, (3,), np.float32)
 TORQUE = gym.spaces.Box(-2, 2, (1,), np.float32)
@@ -49,16 +52,6 @@ class FakeEnv:
         return {}
 
     def load_state_dict(self, sd):
-        pass
-
-
-class NullLogger:
-    iterations = 0
-
-    def record(self, metrics):
-        pass
-
-    def record_episodes(self, done, ret, length):
         pass
 
 
@@ -240,16 +233,13 @@ def test_dqn_random_action_fraction_follows_epsilon():
 
 # ------------------------------------------------------------------------ bootstrapping through the buffer
 @pytest.mark.parametrize("module", [td3, sac, dqn])
-def test_buffer_keeps_final_obs_and_terminated_apart_from_truncated(module):
+def test_buffer_keeps_final_obs_and_terminated_apart_from_truncated(module, tmp_path):
     torch.manual_seed(0)
     space = gym.spaces.Discrete(2) if module is dqn else TORQUE
     # step 2: env 0 terminates, env 1 is truncated (a time limit)
     env = FakeEnv(num_envs=2, action_space=space, ends={2: ([True, False], [False, True])})
-    algo = getattr(module, module.__name__.split(".")[-1].upper())(small(module, learning_starts=100), env, "cpu")
-    algo.reset(0)
-    for _ in range(3):
-        algo.train_iteration(NullLogger())
-    data = algo.rb[:]
+    run = module.train(small(module, learning_starts=5, total_timesteps=6, run_dir=str(tmp_path)), env, "cpu")
+    data = run.rb[:]
     assert data.batch_size == (6,)
     step2 = data[2:4]  # transitions are stored in env order, step by step
     torch.testing.assert_close(step2["obs"], env.obs(1))
@@ -276,7 +266,7 @@ def test_truncation_bootstraps_termination_does_not_in_the_update():
     torch.testing.assert_close(out[2], ((q[1] - target) ** 2).mean())
 
 
-def test_atari_buffer_keeps_one_next_frame_and_rebuilds_the_stack():
+def test_atari_buffer_keeps_one_next_frame_and_rebuilds_the_stack(tmp_path):
     torch.manual_seed(0)
     env = make_env("BreakoutNoFrameskip-v4", 2, seed=0)
     finals = []
@@ -289,13 +279,11 @@ def test_atari_buffer_keeps_one_next_frame_and_rebuilds_the_stack():
 
     env.step = recording_step
     args = dqn.Args(env_id="BreakoutNoFrameskip-v4", num_envs=2, buffer_size=400, batch_size=4, learning_starts=1,
-                    total_timesteps=1000, train_frequency=1000, progress=False)
-    algo = dqn.DQN(args, env, "cpu")
-    algo.reset(0)
-    for _ in range(200):
-        algo.train_iteration(NullLogger())
+                    total_timesteps=400, train_frequency=1000, progress=False, checkpoint_every=0,
+                    run_dir=str(tmp_path))
+    run = dqn.train(args, env, "cpu")
     env.close()
-    data = algo.rb[:]
+    data = run.rb[:]
     assert data["obs"].shape == (400, 4, 84, 84) and data["next_obs"].shape == (400, 1, 84, 84)
     rebuilt = torch.cat([data["obs"][:, 1:], data["next_obs"]], 1)
     assert torch.equal(rebuilt, torch.cat(finals))  # exactly the env's true next observations, game overs included
@@ -376,23 +364,20 @@ def test_continuous_env_given_to_dqn_is_a_clear_error():
 
 def test_eval_every_without_an_eval_env_is_a_clear_error():
     with pytest.raises(ValueError, match="needs an evaluation env"):
-        td3.TD3(small(td3, eval_every=100), FakeEnv(), "cpu")
+        td3.train(small(td3, eval_every=100), FakeEnv(), "cpu")
 
 
 def test_sps_clock_restarts_once_the_update_functions_are_compiled(tmp_path):
-    """Off-policy runs compile at learning_starts, long after the logger's burn-in: the clock restarts after the
+    """Off-policy runs compile at learning_starts, long after the logger's burn-in: the clock starts after the
     first few updates, so compile and capture time never dilute SPS (it is in perf/warmup_time)."""
-    algo = td3.TD3(small(td3, learning_starts=10, policy_frequency=2), FakeEnv(num_envs=2), "cpu")
-    algo.reset(0)
-    logger = leanrl.Logger(str(tmp_path), {}, total_steps=100, progress=False)
-    restart_step = None
-    for _ in range(20):
-        algo.train_iteration(logger)
-        if algo.updates == 3 * 2 + 1 and restart_step is None:
-            restart_step = algo.global_step
-        logger.end_iteration(algo.global_step)
-    logger.close()
-    assert restart_step == 10 + 2 * 7 and logger.step_steady == restart_step
+    args = small(td3, learning_starts=10, policy_frequency=2, total_timesteps=40, log_every=1, run_dir=str(tmp_path))
+    restart_step = 10 + 2 * 7  # the 7th update (the actor's third call, WARMUP + 1) is at step 24
+    assert burn_in(args, Run(None, None), (leanrl.WARMUP + 1) * 2 + 1) * args.num_envs == restart_step
+    td3.train(args, FakeEnv(num_envs=2), "cpu")
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in open(metrics)]
+    assert [r["global_step"] for r in rows if "perf/warmup_time" in r][0] == restart_step
+    assert [r["global_step"] for r in rows if "charts/SPS" in r][0] == restart_step + 2
 
 
 # ------------------------------------------------------------------------- replay checkpoint, evaluation
@@ -437,26 +422,23 @@ PENDULUM = dict(env_id="torch/Pendulum-v1", seed=1, num_envs=1, hidden_dim=16, b
                 learning_starts=50, total_timesteps=160, log_every=20, checkpoint_every=0, progress=False)
 
 
-def run_pendulum(module, tmp_path, **kw):
+def run_pendulum(module, tmp_path, on_iteration=None, **kw):
     args = module.Args(**{**PENDULUM, "run_dir": str(tmp_path), **kw})
-    return module.train(args, make_env(args.env_id, args.num_envs, seed=args.seed), torch.device("cpu"))
+    return module.train(args, make_env(args.env_id, args.num_envs, seed=args.seed), torch.device("cpu"),
+                        on_iteration=on_iteration)
+
+
+def interrupt_after(iterations):
+    """Ctrl-C at the end of iteration `iterations`."""
+    def on_iteration(iteration, global_step):
+        if iteration == iterations:
+            raise KeyboardInterrupt
+    return on_iteration
 
 
 def _interrupted_then_resumed(module, tmp_path, after, **kw):
-    calls = {"n": 0}
-    cls = getattr(module, module.__name__.split(".")[-1].upper())
-    original = cls.train_iteration
-
-    def interrupt(self, logger):
-        if calls["n"] == after:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        return original(self, logger)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cls, "train_iteration", interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            run_pendulum(module, tmp_path, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        run_pendulum(module, tmp_path, on_iteration=interrupt_after(after), **kw)
     (ckpt,) = tmp_path.glob("*/checkpoint.pt")
     return run_pendulum(module, tmp_path, resume=str(ckpt), **kw)
 
@@ -466,10 +448,10 @@ def test_resume_with_the_buffer_equals_an_uninterrupted_run(module, tmp_path):
     full = run_pendulum(module, tmp_path / "full", save_buffer=True)
     resumed = _interrupted_then_resumed(module, tmp_path / "part", after=100, save_buffer=True)
     assert (resumed.iteration, resumed.global_step) == (full.iteration, full.global_step) == (160, 160)
-    for (name, a), b in zip(full.actor.named_parameters(), resumed.actor.parameters()):
+    for (name, a), b in zip(full.learner.actor.named_parameters(), resumed.learner.actor.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
-    for k, v in full.q_params.items(True, True):
-        torch.testing.assert_close(resumed.q_params[k], v, rtol=0, atol=0)
+    for k, v in full.learner.q_params.items(True, True):
+        torch.testing.assert_close(resumed.learner.q_params[k], v, rtol=0, atol=0)
 
 
 def test_resume_without_the_buffer_says_so_and_refills_it(tmp_path, capfd):
