@@ -46,6 +46,17 @@ args.total_timesteps, args.resume = 512, ckpt
 resumed = ppo.train(args, make_envs(args.env_id, args.num_envs))
 assert (first.global_step, resumed.global_step) == (256, 512), (first.global_step, resumed.global_step)
 ''',
+    "td3.py": '''
+import glob, td3
+args = td3.Args(env_id="Pendulum-v1", num_envs=1, hidden_dim=16, batch_size=16, buffer_size=1000, learning_starts=32,
+                total_timesteps=256, checkpoint_every=1, save_buffer=True, run_dir="runs", progress=False,
+                device="cpu")
+first = td3.train(args, make_envs(args.env_id, args.num_envs))
+(ckpt,) = glob.glob("runs/*/checkpoint.pt")
+args.total_timesteps, args.resume = 512, ckpt
+resumed = td3.train(args, make_envs(args.env_id, args.num_envs))
+assert (first.global_step, resumed.global_step) == (256, 512), (first.global_step, resumed.global_step)
+''',
 }
 
 
