@@ -296,8 +296,7 @@ def train(args: Args, envs, device=None, on_iteration=None) -> SimpleNamespace:
     """Train to `args.total_timesteps`; log to `metrics.jsonl` (and wandb) in the run directory; checkpoint every
     `checkpoint_every` iterations, at the end and on Ctrl-C/SIGTERM; resume exactly from `args.resume`.
     `on_iteration(iteration, global_step)` is called after each iteration (benchmarks time with it). Returns the
-    agent, optimizer, last logged values, counters, and `calls`: the accelerated `policy` and `update` with
-    inputs of this run's shapes (for benchmarks)."""
+    agent, optimizer, last logged values and counters."""
     device = device or leanrl.resolve_device(args.device)
     batch_size, minibatch_size, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
@@ -374,10 +373,5 @@ def train(args: Args, envs, device=None, on_iteration=None) -> SimpleNamespace:
             if on_iteration is not None:
                 on_iteration(iteration, iteration * batch_size)
     leanrl.save_checkpoint(ckpt_path, checkpoint_state())
-
-    mb = storage.reshape(-1)[:minibatch_size]
-    calls = dict(policy=(policy, (storage["obs"][0],)),
-                 update=(update, (mb["obs"], mb["actions"], mb["logprobs"], torch.randn_like(mb["values"]),
-                                   torch.randn_like(mb["values"]), mb["values"])))
     return SimpleNamespace(agent=agent, optimizer=optimizer, logged=logger.last, iteration=iteration,
-                           global_step=iteration * batch_size, run_dir=run_dir, calls=calls)
+                           global_step=iteration * batch_size, run_dir=run_dir)
