@@ -32,14 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
 from sampler_latency import ALPHABET, MODELS  # noqa: E402
 
-MODELS = {**MODELS, "60m": dict(family="llama", num_layers=8, hidden_size=768, num_heads=12, num_kv_heads=4,
+MODELS = {**MODELS, "50m": dict(family="llama", num_layers=8, hidden_size=768, num_heads=12, num_kv_heads=4,
                                 intermediate_size=2048)}
 
 
 @dataclass
 class Bench:
     models: list[str] = field(default_factory=lambda: ["tiny", "20m"])
-    """models of sampler_latency.MODELS (+ "60m"), built locally with random weights"""
+    """models of sampler_latency.MODELS (+ "50m"), built locally with random weights"""
     num_slots: int = 16
     """sequences decoded together (both samplers)"""
     num_sequences: int = 64
