@@ -3,13 +3,13 @@ these tools (nothing here calls back into an algorithm)."""
 
 from leanrl.acceleration import (WARMUP, ShapeChangeError, ShapeGuard, accelerate, load_optimizer_state, make_adam,
                                  wrap_flags)
-from leanrl.checkpoint import load_checkpoint, raise_on_sigterm, save_checkpoint, save_on_interrupt
+from leanrl.checkpoint import load_checkpoint, save_checkpoint, save_on_interrupt
 from leanrl.gym_adapter import TorchVectorEnv
 from leanrl.logger import Logger
-from leanrl.run import RunArgs, make_run_dir, mode_name, resolve_device, restore_envs, run, seed_everything
+from leanrl.run import RunArgs, make_run_dir, resolve_device, restore_envs, seed_everything
 
 __all__ = [
     "WARMUP", "accelerate", "make_adam", "wrap_flags", "load_optimizer_state", "ShapeChangeError", "ShapeGuard",
     "Logger", "TorchVectorEnv", "RunArgs", "load_checkpoint", "save_checkpoint", "save_on_interrupt",
-    "raise_on_sigterm", "make_run_dir", "mode_name", "run", "resolve_device", "restore_envs", "seed_everything",
+    "make_run_dir", "resolve_device", "restore_envs", "seed_everything",
 ]

@@ -42,7 +42,7 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     return state
 
 
-def raise_on_sigterm():
+def _raise_on_sigterm():
     """Turn SIGTERM into KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C.
     Returns the previous handler, for the caller to restore."""
     def handler(signum, frame):
@@ -56,7 +56,7 @@ def save_on_interrupt(path: str, state_fn):
     resume, and re-raise. The previous SIGTERM handler is restored on exit. (Signals reach only the main
     thread: elsewhere, e.g. in a collector thread, it only saves on a KeyboardInterrupt raised inside.)"""
     main = threading.current_thread() is threading.main_thread()
-    previous = raise_on_sigterm() if main else None
+    previous = _raise_on_sigterm() if main else None
     try:
         yield
     except KeyboardInterrupt:

@@ -9,8 +9,6 @@ from typing import Literal
 import numpy as np
 import torch
 
-from leanrl.checkpoint import load_checkpoint, save_checkpoint, save_on_interrupt
-from leanrl.logger import Logger
 
 
 @dataclass
@@ -81,34 +79,3 @@ def make_run_dir(args: RunArgs, env_id: str) -> str:
         return os.path.dirname(os.path.abspath(args.resume))
     name = f"{env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     return os.path.join(args.run_dir, name)
-
-
-def mode_name(args: RunArgs) -> str:
-    parts = [m for m in ("compile", "cudagraphs") if getattr(args, m)]
-    return "+".join(parts) or "eager"
-
-
-def run(algo, args: RunArgs):
-    """Deprecated: the loop TD3, SAC and DQN still share until they own theirs (issue 9); new code writes its own
-    loop with `Logger`, `save_checkpoint` and `save_on_interrupt`."""
-    run_dir = make_run_dir(args, args.env_id)
-    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-    if args.resume:
-        algo.load_state_dict(load_checkpoint(args.resume))
-    else:
-        algo.reset(args.seed)
-    logger = Logger.from_args(args, run_dir, args.total_timesteps, start_step=algo.global_step)
-    try:
-        with save_on_interrupt(ckpt_path, algo.state_dict):
-            while algo.iteration < algo.num_iterations:
-                algo.train_iteration(logger)
-                logger.end_iteration(algo.global_step)
-                if algo.iteration % args.log_every == 0 or algo.iteration == algo.num_iterations:
-                    logger.flush()
-                if args.checkpoint_every and algo.iteration % args.checkpoint_every == 0:
-                    save_checkpoint(ckpt_path, algo.state_dict())
-    finally:
-        logger.close()
-    save_checkpoint(ckpt_path, algo.state_dict())
-    algo.logged = logger.last
-    return algo
