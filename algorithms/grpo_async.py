@@ -59,7 +59,7 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int):
     """A collector role: its own model copy and Sampler; fills each admitted batch slot, scores it, sends it."""
     leanrl.seed_everything(args.seed + 1 + ctx.rank, args.torch_deterministic)
     task, model, tokenizer, _ = grpo.load_policy(args, device, model_dir)
-    sampler = grpo.make_sampler(model, tokenizer, args,
+    sampler = grpo.make_sampler(model, tokenizer, args, model_dir,
                                 recompute_kv=args.recompute_kv, seed=args.seed + 1 + ctx.rank)
     # Collector r samples prompts offset + r, offset + r + n, ...: streams never overlap and are the same every run.
     prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + ctx.rank, stride=args.num_collectors)
@@ -93,7 +93,8 @@ def train(args: Args, collector=grpo_collector) -> dict:
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration)
 
     collector_device = device if args.transport == "threads" else torch.device("cpu")
-    template = batch_template(grpo.make_sampler(model, tokenizer, args, num_slots=1), args)
+    # The batch layout is the same for every sampler: the cheapest one builds it.
+    template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), args)
     logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B)
     sampled_tokens, t_start = 0.0, time.perf_counter()
     with leanrl.save_on_interrupt(checkpoint_path, state), leanrl.pipeline.start(
