@@ -41,9 +41,6 @@ class Args(grpo.Args, AsyncArgs):
 def check_args(args: Args):
     grpo.check_args(args)
     check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
-    if args.correction != AsyncArgs.correction:
-        raise ValueError(f"--correction {args.correction}: that is async PPO's flag; GRPO corrects staleness with "
-                         "--loss clip | truncated_is | decoupled")
 
 
 def batch_template(sampler, args: Args):

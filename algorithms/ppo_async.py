@@ -6,6 +6,7 @@ and the trainer's loop. Depends on torch, tensordict, `leanrl` (its pipeline) an
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,9 @@ from leanrl.pipeline import AsyncArgs
 @dataclass
 class Args(ppo.Args, AsyncArgs):
     """PPO's arguments and the pipeline's (`--async` chooses this loop in the scripts)."""
+
+    correction: Literal["decoupled", "truncated_is", "none"] = "decoupled"
+    """stale-data correction: decoupled PPO (AReaL), truncated IS (PipelineRL), or none (naive PPO)"""
 
 
 def check_args(args: Args) -> tuple[int, int, int]:

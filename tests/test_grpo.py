@@ -201,8 +201,8 @@ def test_async_bad_settings_are_clear_errors(tmp_path):
     from leanrl.algorithms import grpo_async
     with pytest.raises(ValueError, match="--deterministic needs --transport processes"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
-    with pytest.raises(ValueError, match="--correction none: that is async PPO's flag"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, correction="none"))
+    with pytest.raises(ValueError, match=r"--max-lag -1"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
 
 
 def test_a_model_directory_missing_files_fails_before_any_compile(tmp_path):

@@ -29,8 +29,6 @@ class AsyncArgs:
     publish_every: int = 1
     """send the weights to the collectors every this many trainer versions (one version per consumed batch);
     at most max_lag + 1, so that the collectors can always be admitted"""
-    correction: Literal["decoupled", "truncated_is", "none"] = "decoupled"
-    """stale-data correction: decoupled PPO (AReaL), truncated IS (PipelineRL), or none (naive PPO)"""
     is_clip: float = 2.0
     """truncation of the importance weights: behaviour ratio (truncated_is), proximal/behaviour (decoupled)"""
     deterministic: bool = False
