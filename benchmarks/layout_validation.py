@@ -1,13 +1,15 @@
 """The layout planner against measured async PPO runs (collectors and a trainer: the two-pool system).
 
-    python benchmarks/layout_validation.py [--total-timesteps 24000]
+    python benchmarks/layout_validation.py [--total-timesteps 24000] [--quick]
 
 Calibration, right before the runs, on the same machine: (1) a collector's rollout time, measured on one
-collector alone with the slow env of the setting (policy, env and sleep overshoot included), as an empirical
-distribution; (2) the trainer's time per batch (GAE, proximal log-probs and the update epochs of AsyncPPO's
-own train_iteration on a real batch). The planner (closed form and simulator) gets only those and the
-settings; each run's env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are compared.
-Writes benchmarks/results/<machine>/layout_validation.{json,md}.
+collector alone with the slow env of the setting (`ppo.rollout`: policy, env and sleep overshoot included), as an
+empirical distribution; (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its
+pieces: GAE, the flat batch, the proximal log-probs and the update epochs of `ppo_async.make_update`) on a real
+collected batch. The planner (closed form and simulator) gets only those and the settings; each run's
+(`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are compared.
+Writes benchmarks/results/<machine>/layout_validation.{json,md}; `--quick` runs one small setting into a
+temporary folder (a check that the script works, not a validation).
 """
 
 import functools
@@ -17,19 +19,24 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import tyro
+from tensordict import from_module
 
+import leanrl
 from leanrl import layout
-from leanrl.algorithms import ppo
+from leanrl.algorithms import ppo, ppo_async
+from leanrl.envs import make_env
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_vs_sync import make_slow_env, rows  # noqa: E402
+from async_vs_sync import make_slow_env  # noqa: E402
 from measure import machine_info  # noqa: E402
 
 TICK = 1e-4  # the simulator's decode step for PPO: a rollout of d seconds is a "sequence" of d / TICK steps
+ENV_ID = "torch/CartPole-v1"
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -40,88 +47,95 @@ class Bench:
     """rollouts timed per env setting for the collector calibration"""
     calib_updates: int = 15
     """trainer iterations timed per update_epochs value"""
+    quick: bool = False
+    """check that the script runs: one setting, 2,560 env steps, 5 rollouts and 3 trainer iterations timed,
+    written to a temporary folder (never over the committed results)"""
     machine: str | None = None
+    """results folder name (default: the machine slug benchmarks/run.py uses)"""
     out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    """where the machine's results folder is (ignored with --quick)"""
 
 
 # (collectors, max_lag, update_epochs, median_ms, sigma): the trainer time is set by update_epochs, the
 # collector time by the env's step time distribution
 SETTINGS = [(2, 1, 10, 4.0, 1.0), (4, 2, 10, 4.0, 1.0), (4, 1, 20, 2.0, 0.5), (3, 3, 30, 4.0, 1.5),
             (6, 2, 5, 4.0, 1.0)]
+QUICK = dict(total_timesteps=2_560, calib_rollouts=5, calib_updates=3)
 
 
-def ppo_args(run_dir, collectors, max_lag, epochs, total):
-    return ppo.Args(env_id="torch/CartPole-v1", seed=1, num_envs=8, num_steps=32, num_minibatches=1,
-                    update_epochs=epochs, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0,
-                    clip_coef=0.2, total_timesteps=total, log_every=1, checkpoint_every=0, progress=False,
-                    run_dir=run_dir, async_=True, num_collectors=collectors, max_lag=max_lag,
-                    correction="decoupled", transport="processes")
+def ppo_args(collectors, max_lag, epochs, total, run_dir="runs"):
+    return ppo_async.Args(env_id=ENV_ID, seed=1, num_envs=8, num_steps=32, num_minibatches=1, update_epochs=epochs,
+                          learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
+                          total_timesteps=total, log_every=1, checkpoint_every=0, progress=False,
+                          run_dir=run_dir, async_=True, num_collectors=collectors, max_lag=max_lag,
+                          correction="decoupled", transport="processes")
+
+
+def collector_rollout(args, envs, seed):
+    """A collector's rollout as `ppo_async.collector` runs it (eager, fresh weights), on `envs`: a function that
+    runs one into the returned storage and returns GAE's next values and terminations."""
+    agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU).requires_grad_(False)
+    storage = ppo.make_storage(envs, args, CPU)
+    next_obs = envs.reset(seed=seed)
+    return functools.partial(ppo.rollout, ppo.make_policy(agent), agent.get_value, envs.step, next_obs, storage,
+                             args), storage
 
 
 def rollout_times(median_ms, sigma, n):
     """A lone collector's rollout durations (s) with this env (its first two are warm-up, dropped)."""
-    algo = ppo.PPO(ppo_args(None, 1, 1, 1, 256), make_slow_env("torch/CartPole-v1", 8, median_ms, sigma, seed=7),
-                   torch.device("cpu"))
-    algo.reset(7)
+    envs = make_slow_env(ENV_ID, 8, median_ms, sigma, seed=7)
+    rollout, _ = collector_rollout(ppo_args(1, 1, 1, 256), envs, seed=7)
     out = []
     for _ in range(n + 2):
         t0 = time.perf_counter()
-        algo.rollout()
+        rollout()
         out.append(time.perf_counter() - t0)
+    envs.close()
     return out[2:]
 
 
-class _OneBatch:
-    """Stands in for the pipeline's trainer side in the timing of AsyncPPO.train_iteration: always the same
-    real batch, no transport (what the transport adds shows up as the validation error)."""
-
-    def __init__(self, batch):
-        self.batch, self.stats = batch, self
-
-    def next_batch(self):
-        return self.batch
-
-    def publish(self):
-        pass
-
-    def summary(self):
-        return {}
-
-
 def trainer_time(epochs, n):
-    args = ppo_args(tempfile.mkdtemp(), 1, 1, epochs, 256 * 1000)
-    make_envs = functools.partial(make_slow_env, "torch/CartPole-v1", 8, 0.0, 0.0)
-    collector = ppo.PPO(args, make_envs(seed=3), torch.device("cpu"))
-    collector.reset(3)
-    next_values, terminated = collector.rollout()
-    batch = ppo.async_batch_template(collector.storage)
-    batch.update_(collector.storage)
-    batch["next_values"].copy_(next_values)
-    batch["gae_terminated"].copy_(terminated)
-    algo = ppo.AsyncPPO(args, make_envs, torch.device("cpu"))
-    algo.trainer = _OneBatch(batch)
-
-    class Sink:
-        def record(self, *a, **k):
-            pass
-
-        record_episodes = record
-
+    """The trainer's seconds per batch: `ppo_async.train`'s work on a batch (copy into its storage, GAE, flat
+    batch, proximal log-probs, the update epochs), built from its pieces and repeated on one real collected batch.
+    The transport, the weight publish and the logging are not in it (they show up as the validation error)."""
+    args = ppo_args(1, 1, epochs, 256)
+    batch_size, minibatch_size, _ = ppo_async.check_args(args)
+    envs = make_env(ENV_ID, 8, seed=3)
+    rollout, collected = collector_rollout(args, envs, seed=3)
+    next_values, terminated = rollout()
+    agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU)
+    agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
+    from_module(agent).data.to_module(agent_inference)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **leanrl.wrap_flags(args, CPU))
+    update = ppo_async.make_update(agent, optimizer, args)
+    logprob = ppo_async.make_logprob(agent_inference)
+    storage = ppo.make_storage(envs, args, CPU)
+    envs.close()
     times = []
     for _ in range(n + 2):
         t0 = time.perf_counter()
-        algo.train_iteration(Sink())
+        storage.update_(collected)
+        advantages, returns = ppo.gae(storage["rewards"], storage["values"], next_values, terminated,
+                                      storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
+        b = ppo.flat_batch(storage, advantages, returns)
+        with torch.no_grad():
+            b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
+        for _ in range(args.update_epochs):
+            for mb_inds in torch.rand(batch_size).argsort().split(minibatch_size):
+                mb = b[mb_inds]
+                update(mb["obs"], mb["actions"], mb["logprobs"], mb["proximal_logprobs"], mb["advantages"],
+                       mb["returns"], mb["values"])
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])  # the median: other jobs share the cores
 
 
 def measured_run(collectors, max_lag, epochs, median_ms, sigma, total):
-    run_dir = tempfile.mkdtemp(prefix="layout_val_")
-    args = ppo_args(run_dir, collectors, max_lag, epochs, total)
-    make_envs = functools.partial(make_slow_env, "torch/CartPole-v1", 8, median_ms, sigma)
-    t0 = time.perf_counter()
-    algo = ppo.train_async(args, make_envs, torch.device("cpu"))
-    return dict(algo.logged, wall_s=time.perf_counter() - t0, metrics=rows(run_dir))
+    make_envs = functools.partial(make_slow_env, ENV_ID, 8, median_ms, sigma)
+    with tempfile.TemporaryDirectory(prefix="layout_val_") as run_dir:
+        t0 = time.perf_counter()
+        algo = ppo_async.train(ppo_args(collectors, max_lag, epochs, total, run_dir), make_envs,
+                               make_env(ENV_ID, 1), CPU)
+        return dict(algo.logged, wall_s=time.perf_counter() - t0)
 
 
 def planner_setup(collectors, max_lag, durations, train_s):
@@ -134,13 +148,16 @@ def planner_setup(collectors, max_lag, durations, train_s):
 
 
 def main(b: Bench):
-    out = os.path.join(b.out_dir, b.machine or machine_info(torch.device("cpu"))["slug"])
+    settings = SETTINGS[:1] if b.quick else SETTINGS
+    if b.quick:
+        b = replace(b, **QUICK, out_dir=tempfile.mkdtemp(prefix="layout_validation_quick_"))
+    out = os.path.join(b.out_dir, b.machine or machine_info(CPU)["slug"])
     os.makedirs(out, exist_ok=True)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     calib_roll, calib_train = {}, {}
-    for _, _, epochs, median_ms, sigma in SETTINGS:
+    for _, _, epochs, median_ms, sigma in settings:
         if (median_ms, sigma) not in calib_roll:
             calib_roll[(median_ms, sigma)] = rollout_times(median_ms, sigma, b.calib_rollouts)
         if epochs not in calib_train:
@@ -150,7 +167,7 @@ def main(b: Bench):
         f"{k}: {statistics.fmean(v) * 1e3:.1f} ms" for k, v in calib_roll.items()) + "; trainer " + ", ".join(
         f"{k} epochs: {v * 1e3:.1f} ms" for k, v in calib_train.items()), flush=True)
     results = []
-    for collectors, max_lag, epochs, median_ms, sigma in SETTINGS:
+    for collectors, max_lag, epochs, median_ms, sigma in settings:
         s = planner_setup(collectors, max_lag, calib_roll[(median_ms, sigma)], calib_train[epochs])
         pred = layout.predict(s, collectors, 1)
         sim = layout.simulate(s, collectors, 1, steps=400, warmup=20)
@@ -173,7 +190,7 @@ def main(b: Bench):
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if "hist" not in k},
               flush=True)
     load_after = os.getloadavg()
-    info = dict(machine=machine_info(torch.device("cpu")), load_before=load_before, load_after=load_after,
+    info = dict(machine=machine_info(CPU), load_before=load_before, load_after=load_after,
                 calibration_s=t_calib, total_s=time.perf_counter() - t_start, tick_s=TICK,
                 total_timesteps=b.total_timesteps, results=results)
     with open(os.path.join(out, "layout_validation.json"), "w") as f:
@@ -181,7 +198,7 @@ def main(b: Bench):
     md = table(info)
     with open(os.path.join(out, "layout_validation.md"), "w") as f:
         f.write(md)
-    print(md)
+    print(md + f"written to {out}")
 
 
 def table(info) -> str:
