@@ -5,8 +5,8 @@ schedule, the two functions `leanrl.accelerate` compiles and CUDA-graphs (`polic
 schedule computed in-graph from a step counter it advances itself; `update`), the learner that builds them once,
 and `train`: CleanRL's loop (an update every `train_frequency` steps, the target copy every
 `target_network_frequency`). The file imports only leanrl, torch and tensordict. From
-leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints) and `leanrl.offpolicy` (argument
-checks, torchrl's replay buffer and its checkpoint, evaluation). Environments are passed in: a vector env whose
+leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints, `evaluate`) and `leanrl.offpolicy`
+(argument checks, torchrl's replay buffer and its checkpoint). Environments are passed in: a vector env whose
 step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
 
 Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from tensordict import from_module
 
 import leanrl
-from leanrl.offpolicy import (burn_in, check_envs, check_replay_args, crossings, evaluate, make_replay_buffer, start,
-                              store)
+from leanrl.offpolicy import burn_in, check_envs, check_replay_args, make_replay_buffer, start, store
 
 
 @dataclass
@@ -83,9 +82,7 @@ def check_args(args: Args) -> int:
     if args.train_frequency < 1 or args.target_network_frequency < 1:
         raise ValueError(f"train_frequency = {args.train_frequency} and target_network_frequency = "
                          f"{args.target_network_frequency} must be at least 1")
-    for name in ("start_e", "end_e", "exploration_fraction", "eval_epsilon"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise ValueError(f"{name} = {getattr(args, name)} must be in [0, 1]")
+    leanrl.check_flags(args, unit_interval=("start_e", "end_e", "exploration_fraction", "eval_epsilon"))
     return num_iterations
 
 
@@ -257,10 +254,10 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
     run, ckpt_path = start(dqn, rb, args, envs)
     # The SPS clock starts once both functions have been compiled and captured: WARMUP + 1 updates.
     logger = leanrl.Logger.from_args(
-        args, os.path.dirname(ckpt_path), args.total_timesteps, start_step=run.global_step,
-        burn_in=burn_in(args, run, leanrl.WARMUP + 1, lambda a, b: crossings(a, b, args.train_frequency)))
+        args, os.path.dirname(ckpt_path), args.total_timesteps, checkpoint=ckpt_path, start_step=run.global_step,
+        burn_in=burn_in(args, run, leanrl.WARMUP + 1, lambda a, b: leanrl.crossings(a, b, args.train_frequency)))
     update_out = None  # the last update's outputs, read at log boundaries
-    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer)):
+    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer), args):
         for iteration in range(run.iteration + 1, num_iterations + 1):
             with torch.no_grad():
                 action, epsilon = dqn.policy(run.obs)  # epsilon from the schedule, in-graph
@@ -271,16 +268,17 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
             before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
 
             if run.global_step - run.fill_start > args.learning_starts:
-                for _ in range(crossings(before, run.global_step, args.train_frequency)):
+                for _ in range(leanrl.crossings(before, run.global_step, args.train_frequency)):
                     run.updates += 1
                     data = run.rb.sample().to(device)
                     update_out = dqn.update(data["obs"], data["action"], data["reward"], data["next_obs"],
                                             data["terminated"])
-                if crossings(before, run.global_step, args.target_network_frequency):
+                if leanrl.crossings(before, run.global_step, args.target_network_frequency):
                     dqn.target.lerp_(dqn.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
 
-            if args.eval_every and crossings(before, run.global_step, args.eval_every):
-                logger.record({"charts/eval_return": evaluate(dqn.eval_policy, eval_envs, args.seed + 10_000)})
+            if args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every):
+                eval_return = leanrl.evaluate(dqn.eval_policy, eval_envs, args.seed + 10_000)
+                logger.record({"charts/eval_return": eval_return})
             logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
             logger.end_iteration(run.global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
@@ -289,9 +287,9 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                     logger.record(dict(zip(UPDATE_METRICS, update_out.unbind())))
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
             if on_iteration is not None:
                 on_iteration(iteration, run.global_step)
+        leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
         run.logged = logger.last
-    leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
     return run

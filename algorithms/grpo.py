@@ -359,13 +359,18 @@ def prepare_model(args: Args, task, device) -> str:
 
 def check_args(args: Args):
     """Bad settings are clear errors, raised before anything is built or compiled."""
+    leanrl.check_flags(args, positive=("num_prompts", "max_len", "max_prompt_len", "num_slots", "learning_rate",
+                                       "update_epochs", "num_minibatches", "max_grad_norm", "is_clip", "sft_batch",
+                                       "sft_learning_rate"),
+                       non_negative=("clip_low", "clip_high", "kl_coef", "sft_steps", "top_k"),
+                       unit_interval=("top_p",))
     B = args.num_prompts * args.group_size
     if args.group_size < 2:
         raise ValueError(f"--group-size {args.group_size}: a group-relative advantage needs at least 2 completions")
     if args.micro_batch < 1 or B % (args.num_minibatches * args.micro_batch):
         raise ValueError(f"--num-prompts x --group-size = {B} sequences must split into --num-minibatches "
                          f"{args.num_minibatches} x whole micro-batches of --micro-batch {args.micro_batch}")
-    if args.temperature <= 0:
+    if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
     if args.total_timesteps < B:
         raise ValueError(f"--total-timesteps {args.total_timesteps}: less than one batch of {B} completions")
@@ -424,7 +429,7 @@ def train(args: Args) -> dict:
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:
-        state = leanrl.load_checkpoint(args.resume)
+        state = leanrl.load_checkpoint(args.resume, args, may_change=("total_timesteps",))  # a constant lr
         restore(learner, state)
         iteration, prompts.next_index = state["iteration"], state["next_prompt"]
 
@@ -432,31 +437,29 @@ def train(args: Args) -> dict:
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration,
                     next_prompt=prompts.next_index)
 
-    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B)
-    with leanrl.save_on_interrupt(checkpoint_path, state):
-        try:
-            while iteration < num_iterations:
-                # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.
-                stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=lambda: iteration,
-                                     carry_over=False)
-                host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-                rewards = score(task, tokenizer, host, args.seed).to(device)
-                t0 = time.perf_counter()
-                metrics = learner.update(batch.to(device), rewards, iteration)  # vLLM fills on the host
-                synchronize(device)
-                update_time = time.perf_counter() - t0
-                metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
-                                "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,
-                                "perf/slot_utilization": stats["slot_utilization"], "perf/sample_time": stats["time_s"],
-                                "perf/update_time": update_time})
-                logger.record(metrics)
-                iteration += 1
-                logger.end_iteration(iteration * B)
-                if iteration % args.log_every == 0 or iteration == num_iterations:
-                    logger.flush()
-                if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                    leanrl.save_checkpoint(checkpoint_path, state())
-        finally:
-            logger.close()
-    leanrl.save_checkpoint(checkpoint_path, state())
+    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B,
+                                     checkpoint=checkpoint_path, return_metric="charts/reward_mean")
+    with logger, leanrl.save_on_interrupt(checkpoint_path, state, args):
+        while iteration < num_iterations:
+            # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.
+            stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=lambda: iteration,
+                                 carry_over=False)
+            host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
+            rewards = score(task, tokenizer, host, args.seed).to(device)
+            t0 = time.perf_counter()
+            metrics = learner.update(batch.to(device), rewards, iteration)  # vLLM fills on the host
+            synchronize(device)
+            update_time = time.perf_counter() - t0
+            metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
+                            "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,
+                            "perf/slot_utilization": stats["slot_utilization"], "perf/sample_time": stats["time_s"],
+                            "perf/update_time": update_time})
+            logger.record(metrics)
+            iteration += 1
+            logger.end_iteration(iteration * B)
+            if iteration % args.log_every == 0 or iteration == num_iterations:
+                logger.flush()
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                leanrl.save_checkpoint(checkpoint_path, state(), args)
+        leanrl.save_checkpoint(checkpoint_path, state(), args)
     return logger.last

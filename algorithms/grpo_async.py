@@ -82,7 +82,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:  # the learner resumes exactly; collectors draw fresh prompts
-        state = leanrl.load_checkpoint(args.resume)
+        state = leanrl.load_checkpoint(args.resume, args, may_change=("total_timesteps",))  # a constant lr
         grpo.restore(learner, state)
         iteration = state["iteration"]
 
@@ -92,34 +92,32 @@ def train(args: Args, collector=grpo_collector) -> dict:
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     # The batch layout is the same for every sampler: the cheapest one builds it.
     template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), args)
-    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B)
+    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B,
+                                     checkpoint=checkpoint_path, return_metric="charts/reward_mean")
     sampled_tokens, t_start = 0.0, time.perf_counter()
-    with leanrl.save_on_interrupt(checkpoint_path, state), leanrl.pipeline.start(
+    with logger, leanrl.save_on_interrupt(checkpoint_path, state, args), leanrl.pipeline.start(
             args.transport, args.num_collectors, collector, (args, model_dir, collector_device, iteration * B),
             template, from_module(model).data, max_lag=args.max_lag, deterministic=args.deterministic,
             publish_every=args.publish_every) as trainer:
-        try:
-            while iteration < num_iterations:
-                batch = trainer.next_batch().to(device)
-                t0 = time.perf_counter()
-                metrics = learner.update(batch, batch["rewards"], trainer.version)
-                grpo.synchronize(device)
-                update_time = time.perf_counter() - t0
-                trainer.publish()
-                stats = dict(zip(STATS, batch["sampler_stats"][0].tolist()))
-                sampled_tokens += stats["sampled_tokens"]
-                metrics.update({"perf/sampled_tokens_per_s": sampled_tokens / (time.perf_counter() - t_start),
-                                "perf/trained_tokens_per_s": float(batch["completion_length"].sum()) / update_time,
-                                "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
-                                "perf/update_time": update_time, **trainer.stats.summary()})
-                logger.record(metrics)
-                iteration += 1
-                logger.end_iteration(iteration * B)
-                if iteration % args.log_every == 0 or iteration == num_iterations:
-                    logger.flush()
-                if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                    leanrl.save_checkpoint(checkpoint_path, state())
-        finally:
-            logger.close()
-    leanrl.save_checkpoint(checkpoint_path, state())
+        while iteration < num_iterations:
+            batch = trainer.next_batch().to(device)
+            t0 = time.perf_counter()
+            metrics = learner.update(batch, batch["rewards"], trainer.version)
+            grpo.synchronize(device)
+            update_time = time.perf_counter() - t0
+            trainer.publish()
+            stats = dict(zip(STATS, batch["sampler_stats"][0].tolist()))
+            sampled_tokens += stats["sampled_tokens"]
+            metrics.update({"perf/sampled_tokens_per_s": sampled_tokens / (time.perf_counter() - t_start),
+                            "perf/trained_tokens_per_s": float(batch["completion_length"].sum()) / update_time,
+                            "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
+                            "perf/update_time": update_time, **trainer.stats.summary()})
+            logger.record(metrics)
+            iteration += 1
+            logger.end_iteration(iteration * B)
+            if iteration % args.log_every == 0 or iteration == num_iterations:
+                logger.flush()
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+                leanrl.save_checkpoint(checkpoint_path, state(), args)
+        leanrl.save_checkpoint(checkpoint_path, state(), args)
     return logger.last

@@ -62,10 +62,21 @@ class Args(leanrl.RunArgs):
     """bootstrap truncated episodes from the value of their final observation (one extra critic pass per step)"""
     graph_iteration: bool = False
     """with an on-device env, capture a whole iteration (rollout, GAE, every update epoch) as one CUDA graph"""
+    eval_every: int = 0
+    """evaluate the policy (charts/eval_return) every this many env steps, and once at the end (0: never)"""
+    eval_episodes: int = 10
+    """episodes per evaluation (one per env of the evaluation env)"""
+    capture_video: bool = False
+    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
+    even without --eval-every; resuming a finished run with it records the trained agent)"""
 
 
 def check_args(args: Args) -> tuple[int, int, int]:
     """Fail on settings that cannot work, before any environment is built or anything compiled."""
+    leanrl.check_flags(args, positive=("num_envs", "num_steps", "learning_rate", "num_minibatches", "update_epochs",
+                                       "max_grad_norm", "eval_episodes"),
+                       non_negative=("clip_coef", "ent_coef", "vf_coef", "eval_every"),
+                       unit_interval=("gamma", "gae_lambda"))
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         raise ValueError(f"num_envs * num_steps = {batch_size} is not divisible by num_minibatches = "
@@ -292,15 +303,20 @@ def explained_variance(b) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- training
-def train(args: Args, envs, device=None, on_iteration=None) -> SimpleNamespace:
-    """Train to `args.total_timesteps`; log to `metrics.jsonl` (and wandb) in the run directory; checkpoint every
+def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
+    """Train to `args.total_timesteps`; log to the run directory (see `leanrl.Logger`); checkpoint every
     `checkpoint_every` iterations, at the end and on Ctrl-C/SIGTERM; resume exactly from `args.resume`.
+    `make_eval_envs(video_folder=...)` builds the `args.eval_episodes` envs that evaluations run in (`video_folder`:
+    where the first one records its episodes, with `--capture-video`; else None).
     `on_iteration(iteration, global_step)` is called after each iteration (benchmarks time with it). Returns the
     agent, optimizer, last logged values and counters."""
     device = device or leanrl.resolve_device(args.device)
     batch_size, minibatch_size, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
         raise ValueError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
+    evaluating = args.eval_every > 0 or args.capture_video
+    if evaluating and make_eval_envs is None:
+        raise ValueError("--eval-every / --capture-video: train() was given no make_eval_envs")
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
@@ -326,7 +342,8 @@ def train(args: Args, envs, device=None, on_iteration=None) -> SimpleNamespace:
 
     iteration = 0
     if args.resume:  # before any capture: parameters are copied in place, the tensor learning rate is kept
-        state = leanrl.load_checkpoint(args.resume)
+        # Without annealing no schedule depends on the horizon: a resumed run may go on longer.
+        state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
         agent.load_state_dict(state["agent"])
         leanrl.load_optimizer_state(optimizer, state["optimizer"])
         iteration = state["iteration"]
@@ -354,8 +371,18 @@ def train(args: Args, envs, device=None, on_iteration=None) -> SimpleNamespace:
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), envs=envs.state_dict(),
                     next_obs=next_obs, global_step=iteration * batch_size, iteration=iteration)
 
-    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size)
-    with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state):
+    if evaluating:
+        eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
+        eval_policy = make_policy(agent_inference)  # eager: its batch is eval_episodes, not num_envs
+
+    def evaluate():
+        if not envs.on_device:  # a host env's state is its normalizer statistics: evaluate with the training ones
+            eval_envs.load_state_dict(envs.state_dict())
+        return leanrl.evaluate(lambda obs: eval_policy(obs)[0], eval_envs, args.seed + 10_000)
+
+    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size,
+                                     checkpoint=ckpt_path)
+    with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"].fill_((1.0 - iteration / num_iterations) * args.learning_rate)
@@ -366,12 +393,19 @@ def train(args: Args, envs, device=None, on_iteration=None) -> SimpleNamespace:
                                    storage["episode_length"])
             iteration += 1
             logger.end_iteration(iteration * batch_size)
+            if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,
+                                                    args.eval_every) and iteration < num_iterations:
+                logger.record({"charts/eval_return": evaluate()})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()  # the log boundary: the one device-to-host read
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, checkpoint_state())
+                leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
                 on_iteration(iteration, iteration * batch_size)
-    leanrl.save_checkpoint(ckpt_path, checkpoint_state())
+        if evaluating:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": evaluate()})
+            logger.flush()
+            eval_envs.close()
+        leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
     return SimpleNamespace(agent=agent, optimizer=optimizer, logged=logger.last, iteration=iteration,
                            global_step=iteration * batch_size, run_dir=run_dir)

@@ -29,6 +29,9 @@ class Args(ppo.Args, AsyncArgs):
 def check_args(args: Args) -> tuple[int, int, int]:
     """Fail on settings that cannot work, before any environment is built or anything compiled."""
     sizes = ppo.check_args(args)
+    if args.async_ and (args.eval_every or args.capture_video):
+        raise ValueError("--eval-every / --capture-video evaluate in the synchronous loop: the async trainer owns "
+                         "no env (evaluate the checkpoint with the same flags without --async)")
     if args.async_:
         leanrl.pipeline.check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic,
                                        args.publish_every)
@@ -183,7 +186,7 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
 
     iteration = 0
     if args.resume:  # the learner resumes exactly; collectors start new episodes
-        state = leanrl.load_checkpoint(args.resume)
+        state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
         agent.load_state_dict(state["agent"])
         leanrl.load_optimizer_state(optimizer, state["optimizer"])
         iteration = state["iteration"]
@@ -195,8 +198,9 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector, (args, make_envs, collector_device),
                                     batch_template(storage), from_module(agent).data, **settings)
-    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size)
-    with trainer, logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state):
+    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size,
+                                     checkpoint=ckpt_path)
+    with trainer, logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"].fill_((1.0 - iteration / num_iterations) * args.learning_rate)
@@ -226,9 +230,9 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, checkpoint_state())
+                leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
                 on_iteration(iteration, iteration * batch_size)
-    leanrl.save_checkpoint(ckpt_path, checkpoint_state())
+        leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
     return SimpleNamespace(agent=agent, optimizer=optimizer, logged=logger.last, iteration=iteration,
                            global_step=iteration * batch_size, run_dir=run_dir, consumed=trainer.consumed)

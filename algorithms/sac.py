@@ -6,8 +6,8 @@ TensorDict, evaluated with one `torch.vmap` call), the target, the three functio
 compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor` with the temperature step), the learner
 that builds them once, and `train`: CleanRL's loop (`policy_frequency` actor updates every `policy_frequency`
 critic updates). The file imports only leanrl, torch and tensordict. From
-leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints) and `leanrl.offpolicy` (argument
-checks, torchrl's replay buffer and its checkpoint, evaluation). Environments are passed in: a vector env whose
+leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints, `evaluate`) and `leanrl.offpolicy`
+(argument checks, torchrl's replay buffer and its checkpoint). Environments are passed in: a vector env whose
 step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
 
 Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from tensordict import from_module, from_modules
 
 import leanrl
-from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, crossings, evaluate,
-                              make_replay_buffer, make_twin_q, start, store)
+from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, make_replay_buffer,
+                              make_twin_q, start, store)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Args(leanrl.RunArgs):
 def check_args(args: Args) -> int:
     """Fail on settings that cannot work, before any environment is built or anything compiled.
     Returns the number of iterations (vector env steps)."""
-    num_iterations = check_replay_args(args)
+    num_iterations = check_replay_args(args, learning_rates=("policy_lr", "q_lr"))
     if args.policy_frequency < 1:
         raise ValueError(f"policy_frequency = {args.policy_frequency} must be at least 1")
     if not args.autotune and args.alpha < 0:
@@ -281,13 +281,15 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     sac = SAC(args, envs, device)
-    run, ckpt_path = start(sac, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs)
+    # No schedule depends on the horizon: a resumed run may go on longer.
+    run, ckpt_path = start(sac, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs,
+                           may_change=("learning_starts", "total_timesteps"))
     # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
     logger = leanrl.Logger.from_args(args, os.path.dirname(ckpt_path), args.total_timesteps,
-                                     start_step=run.global_step,
+                                     start_step=run.global_step, checkpoint=ckpt_path,
                                      burn_in=burn_in(args, run, (leanrl.WARMUP + 1) * args.policy_frequency + 1))
     critic_out = actor_out = None  # the last update outputs, read at log boundaries
-    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer)):
+    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer), args):
         for iteration in range(run.iteration + 1, num_iterations + 1):
             with torch.no_grad():
                 action = (sac.random_actions(args.num_envs) if run.global_step < args.learning_starts
@@ -306,8 +308,9 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                     for _ in range(args.policy_frequency):  # compensate for the delay, as CleanRL
                         actor_out = sac.update_actor(data["obs"])
 
-            if args.eval_every and crossings(before, run.global_step, args.eval_every):
-                logger.record({"charts/eval_return": evaluate(sac.eval_policy, eval_envs, args.seed + 10_000)})
+            if args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every):
+                eval_return = leanrl.evaluate(sac.eval_policy, eval_envs, args.seed + 10_000)
+                logger.record({"charts/eval_return": eval_return})
             logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
             logger.end_iteration(run.global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
@@ -316,9 +319,9 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                         logger.record(dict(zip(names, values.unbind())))
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
+                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
             if on_iteration is not None:
                 on_iteration(iteration, run.global_step)
+        leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
         run.logged = logger.last
-    leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer))
     return run

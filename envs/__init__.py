@@ -6,6 +6,7 @@ reward, terminated, truncated, episode_return, episode_length (gymnasium's SAME_
 next_obs is already reset where the episode ended, final_obs is the true last obs),
 `state_dict()`, `load_state_dict(sd)`, `close()`.
 """
+import os
 import re
 
 import gymnasium
@@ -18,11 +19,22 @@ SUPPORTED = (
 )
 
 
-def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, **kwargs):
+def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_folder=None, **kwargs):
     """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). kwargs go to the family:
     Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
-    gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state)."""
+    gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state).
+    `video_folder` (a folder, made if missing): sub-env 0 renders rgb_array frames and gymnasium's RecordVideo
+    writes every one of its episodes there as an mp4; nothing else changes (the same observations, rewards and
+    episode statistics for the same seed). Atari then runs on gymnasium's ALE envs (AtariVectorEnv cannot
+    render: see envs/atari.py); the torch/ envs do not render."""
     device = torch.device(device)
+    if video_folder is not None:
+        if not isinstance(video_folder, (str, os.PathLike)):
+            raise TypeError(f"video_folder must be a path (str or os.PathLike), got {type(video_folder).__name__}")
+        if env_id.startswith("torch/"):
+            raise ValueError(f"{env_id!r} steps in torch and does not render, so it cannot record to video_folder: "
+                             f"use the gymnasium id {env_id.removeprefix('torch/')!r} to record videos")
+        kwargs["video_folder"] = video_folder
     if env_id.startswith("torch/"):
         from .torch_envs import TORCH_ENVS
 

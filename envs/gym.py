@@ -3,11 +3,20 @@
 Continuous-action ids get CleanRL's ppo_continuous_action recipe: raw episode statistics, clipped
 actions, observations normalized and clipped to [-10, 10], rewards normalized and clipped to [-10, 10].
 Statistics are shared by all sub-envs, and saved in checkpoints. Discrete-action ids get only the episode statistics.
+
+With `video_folder`, sub-env 0 is made with render_mode="rgb_array" and wrapped in gymnasium's RecordVideo, which
+writes every one of its episodes there as an mp4 (moviepy); the other sub-envs do not render, and rendering changes
+no number. Classic control renders with pygame; MuJoCo with OpenGL: on a Linux machine without a display
+MUJOCO_GL defaults to "egl" here (gymnasium would try GLFW, which fails there and does not fall back), unless
+MUJOCO_GL or PYOPENGL_PLATFORM is set. If nothing can render, make_env says so at once.
 """
+import os
+import sys
+
 import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
@@ -17,12 +26,16 @@ from leanrl.gym_adapter import TorchVectorEnv
 class GymEnv(TorchVectorEnv):
     def __init__(self, env_id: str, num_envs: int, device="cpu", seed: int = 0,
                  normalize_obs: bool | None = None, normalize_reward: bool | None = None,
-                 gamma: float = 0.99, clip: float = 10.0, **make_kwargs):
+                 gamma: float = 0.99, clip: float = 10.0, video_folder=None, **make_kwargs):
         """normalize_obs / normalize_reward default to True for Box action spaces, False otherwise;
-        off-policy methods (TD3, SAC) pass False. `gamma` is the reward normalizer's discount."""
+        off-policy methods (TD3, SAC) pass False. `gamma` is the reward normalizer's discount.
+        `video_folder`: record every episode of sub-env 0 there as mp4 (see above)."""
         try:  # on 2 cores Sync beats Async
-            env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
-                               vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **make_kwargs)
+            if video_folder is None:
+                env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
+                                   vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **make_kwargs)
+            else:
+                env = _recording_vector_env(env_id, num_envs, video_folder, make_kwargs)
         except gym.error.DependencyNotInstalled as e:
             if "mujoco" in str(gym.spec(env_id).entry_point):
                 raise ImportError(f'{env_id} needs mujoco: pip install -e ".[mujoco]"') from e
@@ -78,3 +91,42 @@ class GymEnv(TorchVectorEnv):
             rms.mean, rms.var, rms.count = sd[name]["mean"].numpy().copy(), sd[name]["var"].numpy().copy(), sd[name]["count"]
         if self.reward_norm is not None:
             self.reward_norm.accumulated_reward[:] = sd["accumulated_reward"].numpy()
+
+
+def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs: dict) -> SyncVectorEnv:
+    """What gym.make_vec(vectorization_mode="sync", SAME_STEP) builds, with sub-env 0 rendering into RecordVideo."""
+    if "render_mode" in make_kwargs:
+        raise ValueError(f"render_mode={make_kwargs['render_mode']!r} with video_folder: "
+                         "video_folder sets it for sub-env 0")
+    if os.path.isfile(video_folder):
+        raise ValueError(f"video_folder {str(video_folder)!r} is a file, not a folder")
+    try:
+        import moviepy  # noqa: F401
+    except ImportError as e:
+        raise ImportError("video_folder needs moviepy (gymnasium's RecordVideo writes with it): "
+                          "pip install moviepy") from e
+    is_mujoco = "mujoco" in str(gym.spec(env_id).entry_point)
+    headless = not any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "PYOPENGL_PLATFORM"))
+    if is_mujoco and sys.platform.startswith("linux") and headless:
+        # gymnasium tries GLFW first, which fails without a display. It reads MUJOCO_GL when it makes the renderer
+        # (in the render below, where a failure is a clear error). `import mujoco` reads it too and then loads that
+        # backend's bindings, which on a machine without EGL would fail uncaught: so mujoco is imported first.
+        try:
+            import mujoco  # noqa: F401
+        except ImportError as e:
+            raise gym.error.DependencyNotInstalled(str(e)) from e
+        os.environ.setdefault("MUJOCO_GL", "egl")
+    first = gym.make(env_id, render_mode="rgb_array", **make_kwargs)
+    try:  # fail here, not at the first reset: one frame of the freshly made env (no reset, no random numbers drawn)
+        first.unwrapped.render()  # classic control draws nothing before a reset, but imports pygame
+    except gym.error.DependencyNotInstalled as e:
+        first.close()
+        raise ImportError(f"{env_id} cannot render for video_folder: {e}") from e
+    except Exception as e:  # e.g. no OpenGL context
+        first.close()
+        how = (f" (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}; headless Linux needs EGL, e.g. apt-get install libegl1, "
+               "or OSMesa with MUJOCO_GL=osmesa)" if is_mujoco else "")
+        raise RuntimeError(f"{env_id} cannot render for video_folder{how}: {type(e).__name__}: {e}") from e
+    first = gym.wrappers.RecordVideo(first, str(video_folder), episode_trigger=lambda episode: True)
+    return SyncVectorEnv([lambda: first] + [lambda: gym.make(env_id, **make_kwargs)] * (num_envs - 1),
+                         autoreset_mode=AutoresetMode.SAME_STEP)

@@ -3,13 +3,15 @@ these tools (nothing here calls back into an algorithm)."""
 
 from leanrl.acceleration import (WARMUP, ShapeChangeError, ShapeGuard, accelerate, load_optimizer_state, make_adam,
                                  wrap_flags)
-from leanrl.checkpoint import load_checkpoint, save_checkpoint, save_on_interrupt
+from leanrl.checkpoint import CheckpointError, clean_exit, load_checkpoint, save_checkpoint, save_on_interrupt
+from leanrl.evaluation import crossings, evaluate
 from leanrl.gym_adapter import TorchVectorEnv
 from leanrl.logger import Logger
-from leanrl.run import RunArgs, make_run_dir, resolve_device, restore_envs, seed_everything
+from leanrl.run import RunArgs, check_flags, make_run_dir, resolve_device, restore_envs, seed_everything
 
 __all__ = [
     "WARMUP", "accelerate", "make_adam", "wrap_flags", "load_optimizer_state", "ShapeChangeError", "ShapeGuard",
-    "Logger", "TorchVectorEnv", "RunArgs", "load_checkpoint", "save_checkpoint", "save_on_interrupt",
-    "make_run_dir", "resolve_device", "restore_envs", "seed_everything",
+    "Logger", "TorchVectorEnv", "RunArgs", "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt",
+    "CheckpointError", "clean_exit", "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs",
+    "seed_everything",
 ]

@@ -1,13 +1,26 @@
-"""Checkpoints that resume a run exactly: state plus every RNG the run draws from."""
+"""Checkpoints that resume a run exactly: state, every RNG the run draws from, and the run's flags, which a resume
+compares with its own. And how a script ends: quietly, with the shell's exit code, on Ctrl-C or SIGTERM."""
 
 import contextlib
 import os
 import random
 import signal
+import sys
 import threading
+from dataclasses import asdict
 
 import numpy as np
 import torch
+
+# Flags a resumed run may change: they decide how a run is watched, saved or accelerated, not what it computes.
+HARMLESS_FLAGS = frozenset({
+    "resume", "run_dir", "log_every", "checkpoint_every", "progress", "track", "wandb_project_name", "wandb_entity",
+    "wandb_mode", "device", "compile", "cudagraphs", "eval_every", "eval_episodes", "capture_video", "save_buffer",
+})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that this run cannot resume (another algorithm, other flags)."""
 
 
 def rng_state() -> dict:
@@ -25,44 +38,117 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str, state: dict) -> None:
-    """Write atomically (a crash mid-write never leaves a truncated checkpoint)."""
+def algorithm_of(args) -> str:
+    """The algorithm a run's arguments belong to: the module of its `Args` class (a script's subclass counts as
+    the algorithm's), e.g. 'ppo_async', 'td3'."""
+    module = next(c.__module__ for c in type(args).__mro__ if c.__module__ != "__main__")
+    return module.rsplit(".", 1)[-1]
+
+
+def save_checkpoint(path: str, state: dict, args=None) -> None:
+    """Write atomically (a temporary file renamed over the old one: a kill mid-write never leaves a torn
+    checkpoint). With `args` (a dataclass), the checkpoint also holds the flags and algorithm of the run."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({**state, "rng": rng_state()}, tmp)
-    os.replace(tmp, path)
+    if args is not None:
+        state = {**state, "args": asdict(args), "algorithm": algorithm_of(args)}
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save({**state, "rng": rng_state()}, tmp)
+        os.replace(tmp, path)
+    finally:  # after a failed or interrupted write, only the torn temporary is gone
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
-def load_checkpoint(path: str, map_location="cpu") -> dict:
-    """Load a checkpoint and restore the RNG states it holds."""
+def check_resumable(path: str, state: dict, args, may_change=()) -> None:
+    """Refuse a checkpoint of another algorithm, or of a run whose flags differ from `args` other than in
+    HARMLESS_FLAGS and the algorithm's own `may_change`, in one line that lists the differences."""
+    if "args" not in state:
+        return  # written without flags: nothing to compare
+    algorithm = algorithm_of(args)
+    if state["algorithm"] != algorithm:
+        raise CheckpointError(f"--resume {path}: a {state['algorithm']} checkpoint (run "
+                              f"{state['args'].get('exp_name')!r}), not one of {algorithm}")
+    saved, now = state["args"], asdict(args)
+    changed = [k for k in sorted(set(now) | set(saved))
+               if k not in HARMLESS_FLAGS | set(may_change) and now.get(k) != saved.get(k)]
+    if not changed:
+        return
+    diffs = "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    if saved.get("exp_name") != now.get("exp_name"):
+        raise CheckpointError(f"--resume {path}: a checkpoint of another script or experiment "
+                              f"({saved.get('exp_name')!r} on {saved.get('env_id')!r}), not of {now.get('exp_name')!r} "
+                              f"(flags that differ: {diffs})")
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    raise CheckpointError(f"--resume {path}: these flags differ from the checkpoint's run ({diffs}); resume with "
+                          f"the run's flags (in {config}) or start a new run")
+
+
+def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> dict:
+    """Load a checkpoint and restore the RNG states it holds. With `args`, first check that this run may resume
+    it (`check_resumable`: `may_change` names the flags this algorithm lets a resume change, e.g. total_timesteps
+    where no schedule depends on it). Every failure is a one-line error naming the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path!r}")
-    state = torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # torch.load's errors for a torn or foreign file are its internals (pickle, zip, OS)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--resume {path}: not a readable checkpoint, torn or not written by leanrl "
+                              f"({type(e).__name__}: {reason})") from None
+    if not isinstance(state, dict) or "rng" not in state:
+        raise CheckpointError(f"--resume {path}: not a leanrl checkpoint (no RNG state in it)")
+    if args is not None:
+        check_resumable(path, state, args, may_change)
     set_rng_state(state.pop("rng"))
     return state
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as a KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def _raise_on_sigterm():
-    """Turn SIGTERM into KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C.
-    Returns the previous handler, for the caller to restore."""
+    """Turn SIGTERM into `Terminated`. Returns the previous handler, for the caller to restore."""
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(signum)
     return signal.signal(signal.SIGTERM, handler)
 
 
 @contextlib.contextmanager
-def save_on_interrupt(path: str, state_fn):
-    """Inside it, SIGTERM raises KeyboardInterrupt; on Ctrl-C or SIGTERM, save `state_fn()` at `path`, say how to
-    resume, and re-raise. The previous SIGTERM handler is restored on exit. (Signals reach only the main
-    thread: elsewhere, e.g. in a collector thread, it only saves on a KeyboardInterrupt raised inside.)"""
+def save_on_interrupt(path: str, state_fn, args=None):
+    """Inside it, SIGTERM raises KeyboardInterrupt; on Ctrl-C or SIGTERM, save `state_fn()` (with `args`) at
+    `path`, say how to resume, and re-raise. The previous SIGTERM handler is restored on exit. (Signals reach only
+    the main thread: elsewhere, e.g. in a collector thread, it only saves on a KeyboardInterrupt raised inside.)"""
     main = threading.current_thread() is threading.main_thread()
     previous = _raise_on_sigterm() if main else None
     try:
         yield
     except KeyboardInterrupt:
-        save_checkpoint(path, state_fn())
-        print(f"interrupted; checkpoint saved (resume with --resume {path})")
+        save_checkpoint(path, state_fn(), args)
+        print(f"interrupted; checkpoint saved (resume with --resume {path})", flush=True)
         raise
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def clean_exit():
+    """Around a script's main: Ctrl-C and SIGTERM end it with no traceback and the shell's exit codes (130, 143;
+    the run has saved its checkpoint and printed its summary), and a checkpoint it cannot resume with its one-line
+    error (exit code 2). Library code raises; scripts end cleanly."""
+    previous = _raise_on_sigterm()
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

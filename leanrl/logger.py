@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from leanrl.acceleration import WARMUP
@@ -14,18 +15,29 @@ from leanrl.acceleration import WARMUP
 
 class Logger:
     """Collects episode statistics and losses as device tensors; `flush` reads them in one transfer
-    and writes them to a tqdm bar, `metrics.jsonl` in the run directory, and wandb when tracked.
+    and writes them to a tqdm bar, `metrics.jsonl` and TensorBoard event files in the run directory (CleanRL's
+    `tensorboard --logdir runs` works), and wandb when tracked. The run's flags go to `config.json` beside them.
 
     SPS is counted only after `burn_in` iterations (`leanrl.WARMUP` by default), so compile and capture time never dilute it;
     that time is reported on its own as `perf/warmup_time`.
+
+    On close (a `with` block's end, normal or interrupted) it prints the run's summary to stdout: run directory,
+    steps, wall time, SPS, the last and best value of `return_metric`, and `checkpoint` when given.
     """
 
     def __init__(self, run_dir, config: dict, total_steps: int, *, track=False, wandb_mode="offline",
                  wandb_project="leanrl", wandb_entity=None, run_name=None, burn_in: int = WARMUP, start_step: int = 0,
-                 progress=True):
+                 progress=True, checkpoint: str | None = None, return_metric: str = "charts/episodic_return",
+                 summary: bool = True):
         os.makedirs(run_dir, exist_ok=True)
-        self.run_dir = run_dir
+        self.run_dir, self.total_steps, self.checkpoint = run_dir, total_steps, checkpoint
+        self.return_metric, self.best_return, self.summary = return_metric, None, summary
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=1, default=str)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.tensorboard = SummaryWriter(run_dir)
+        self.tensorboard.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(
+            f"|{k}|{v}|" for k, v in config.items()))
         self.burn_in = burn_in
         self.iterations = 0
         self.t_start = time.perf_counter()
@@ -103,8 +115,12 @@ class Logger:
         if self.warmup_time is not None:
             row["perf/warmup_time"] = self.warmup_time
         self.last.update(row)
+        if self.return_metric in row:
+            self.best_return = max(row[self.return_metric], self.best_return or -math.inf)
         self.jsonl.write(json.dumps({"global_step": self.step, **row}) + "\n")
         self.jsonl.flush()
+        for k, v in row.items():
+            self.tensorboard.add_scalar(k, v, self.step)
         if self.wandb is not None:
             self.wandb.log(row, step=self.step)
         self.pbar.n = self.step
@@ -123,11 +139,31 @@ class Logger:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        self.close(stopped_by=None if exc_type is None else
+                   "an interrupt" if issubclass(exc_type, KeyboardInterrupt) else "an error")
 
-    def close(self):
+    def close(self, stopped_by: str | None = None):
         self.pbar.close()
         self.jsonl.close()
+        self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.summary:
+            print(self.summary_text(stopped_by), flush=True)
+
+    def summary_text(self, stopped_by: str | None = None) -> str:
+        """The end-of-run summary; `stopped_by` says what ended a run before its last step."""
+        wall = time.perf_counter() - self.t_start
+        ended = f"stopped by {stopped_by} at step {self.step:,}" if stopped_by else f"{self.step:,} steps"
+        sps = self.last.get("charts/SPS")
+        speed = f", {sps:,.0f} SPS after {self.warmup_time:.1f} s warm-up" if sps and self.warmup_time else ""
+        lines = [f"run:        {self.run_dir}", f"steps:      {ended} of {self.total_steps:,} in {wall:.1f} s{speed}"]
+        if self.best_return is None:
+            lines.append(f"return:     none logged ({self.return_metric})")
+        else:
+            lines.append(f"return:     last {self.last[self.return_metric]:.2f}, best {self.best_return:.2f} "
+                         f"({self.return_metric})")
+        if self.checkpoint:
+            lines.append(f"checkpoint: {self.checkpoint}")
+        return "\n".join(lines)

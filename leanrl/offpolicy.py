@@ -1,7 +1,7 @@
 """Tools the off-policy loops (TD3, SAC, DQN) call; each loop itself is in its algorithm's file: the checks on
 their common arguments, torchrl's replay buffer and its place in a checkpoint, where a run stands (`Run`), the
-Logger's burn-in for a run that compiles only once learning starts, the vmapped twin critic, a periodic
-deterministic evaluation on an env of its own, and what a script's `main` does."""
+Logger's burn-in for a run that compiles only once learning starts, the vmapped twin critic, and what a script's
+`main` does."""
 
 import os
 import sys
@@ -16,21 +16,21 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 import leanrl
 
 
-def check_replay_args(args) -> int:
+def check_replay_args(args, learning_rates=("learning_rate",)) -> int:
     """Fail on replay settings that cannot work, before any environment is built or anything compiled.
     Returns the number of iterations (vector env steps)."""
-    if args.num_envs < 1 or args.total_timesteps < args.num_envs:
+    leanrl.check_flags(args, positive=("num_envs", "buffer_size", "batch_size", "eval_episodes", *learning_rates),
+                       non_negative=("learning_starts", "eval_every"), unit_interval=("gamma",))
+    if args.total_timesteps < args.num_envs:
         raise ValueError(f"total_timesteps = {args.total_timesteps} is less than one step of num_envs = "
                          f"{args.num_envs} environments")
-    if args.batch_size < 1 or args.batch_size > args.buffer_size:
-        raise ValueError(f"batch_size = {args.batch_size} must be between 1 and buffer_size = {args.buffer_size}")
-    if not 0 <= args.learning_starts < args.total_timesteps:
-        raise ValueError(f"learning_starts = {args.learning_starts} must be in [0, total_timesteps = "
-                         f"{args.total_timesteps}): otherwise no update would ever run")
+    if args.batch_size > args.buffer_size:
+        raise ValueError(f"batch_size = {args.batch_size} must be at most buffer_size = {args.buffer_size}")
+    if args.learning_starts >= args.total_timesteps:
+        raise ValueError(f"learning_starts = {args.learning_starts} must be less than total_timesteps = "
+                         f"{args.total_timesteps}: otherwise no update would ever run")
     if not 0 < args.tau <= 1:
         raise ValueError(f"tau = {args.tau} must be in (0, 1]")
-    if args.eval_every < 0 or args.eval_episodes < 1:
-        raise ValueError(f"eval_every = {args.eval_every} must be >= 0 and eval_episodes = {args.eval_episodes} >= 1")
     return args.total_timesteps // args.num_envs
 
 
@@ -76,11 +76,6 @@ def make_replay_buffer(size: int, batch_size: int, device) -> ReplayBuffer:
     return ReplayBuffer(storage=LazyTensorStorage(size, device=device), batch_size=batch_size)
 
 
-def crossings(before: int, after: int, every: int) -> int:
-    """How many multiples of `every` the step count passed going from `before` to `after`."""
-    return after // every - before // every
-
-
 def store(rb: ReplayBuffer, obs, action, out, next_obs):
     """Add one vector step. `next_obs` is the true next observation (from the env's `final_obs`, not the reset
     observation that follows an episode's end), kept with `terminated` apart from `truncated`, so that the
@@ -121,12 +116,13 @@ class Run:
         self.fill_start = state["fill_start"] if restored else self.global_step
 
 
-def start(learner, rb: ReplayBuffer, args, envs) -> tuple[Run, str]:
-    """A fresh run from a reset with `args.seed`, or the one `args.resume` names; and its checkpoint's path."""
+def start(learner, rb: ReplayBuffer, args, envs, may_change=("learning_starts",)) -> tuple[Run, str]:
+    """A fresh run from a reset with `args.seed`, or the one `args.resume` names (`may_change`: the flags a resume
+    may change, see `leanrl.load_checkpoint`); and its checkpoint's path."""
     run = Run(learner, rb)
     ckpt_path = os.path.join(leanrl.make_run_dir(args, args.env_id), "checkpoint.pt")
     if args.resume:
-        run.load_state_dict(leanrl.load_checkpoint(args.resume), envs, args.seed)
+        run.load_state_dict(leanrl.load_checkpoint(args.resume, args, may_change), envs, args.seed)
     else:
         run.obs = envs.reset(seed=args.seed)
     return run, ckpt_path
@@ -178,24 +174,6 @@ def load_replay_state_dict(rb: ReplayBuffer, state) -> bool:
         rb.extend(stored[:1])
     rb.load_state_dict(state)
     return True
-
-
-@torch.no_grad()
-def evaluate(policy, envs, seed: int) -> torch.Tensor:
-    """Mean return of one episode in each of `envs.num_envs` environments, acting with `policy` (obs -> action),
-    from a reset with `seed` (the same start states at every evaluation). Reads one flag to the host per step:
-    it is meant to run every few thousand training steps, not in the hot loop."""
-    obs = envs.reset(seed=seed)
-    returns = finished = None
-    while finished is None or not bool(finished.all()):
-        out = envs.step(policy(obs))
-        ended = out["episode_length"] > 0  # a whole episode ended (an Atari life loss is not one)
-        if finished is None:
-            returns, finished = torch.zeros_like(out["episode_return"]), torch.zeros_like(ended)
-        returns = torch.where(ended & ~finished, out["episode_return"], returns)
-        finished = finished | ended
-        obs = out["next_obs"]
-    return returns.mean()
 
 
 def make_envs(args, num_envs: int, device, seed: int, raw: bool = False, **env_kwargs):

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass
 class RunArgs:
     exp_name: str = "leanrl"
@@ -45,6 +44,18 @@ class RunArgs:
     """path of a checkpoint to resume from"""
     progress: bool = True
     """show a tqdm progress bar"""
+
+
+def check_flags(args, positive=(), non_negative=(), unit_interval=()) -> None:
+    """Bad numbers are errors naming their flag, raised before anything is built: `positive` fields must be > 0,
+    `non_negative` >= 0, `unit_interval` in [0, 1] (NaN fails every rule). RunArgs' own counts are always checked."""
+    rules = [(("total_timesteps", "log_every", *positive), lambda v: v > 0, "> 0"),
+             (("checkpoint_every", *non_negative), lambda v: v >= 0, ">= 0"),
+             (unit_interval, lambda v: 0 <= v <= 1, "in [0, 1]")]
+    for names, ok, rule in rules:
+        for name in names:
+            if not ok(getattr(args, name)):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
 
 
 def resolve_device(name: str) -> torch.device:

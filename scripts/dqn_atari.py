@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import tyro
 
+import leanrl
 from leanrl.algorithms import dqn
 from leanrl.offpolicy import main
 
@@ -26,5 +27,6 @@ DEFAULTS = Args(exp_name="dqn_atari", env_id="BreakoutNoFrameskip-v4", total_tim
                 eval_epsilon=0.05, checkpoint_every=100_000)
 
 if __name__ == "__main__":
-    args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
-    main(dqn, args, sticky_actions=args.sticky_actions)
+    with leanrl.clean_exit():
+        args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
+        main(dqn, args, sticky_actions=args.sticky_actions)

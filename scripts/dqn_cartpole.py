@@ -7,10 +7,12 @@ tests/test_envs.py) simulated in torch on the run's device, so the whole loop ru
 
 import tyro
 
+import leanrl
 from leanrl.algorithms import dqn
 from leanrl.offpolicy import main
 
 DEFAULTS = dqn.Args(exp_name="dqn_cartpole", env_id="torch/CartPole-v1", total_timesteps=500_000)
 
 if __name__ == "__main__":
-    main(dqn, tyro.cli(dqn.Args, default=DEFAULTS, description=__doc__))
+    with leanrl.clean_exit():
+        main(dqn, tyro.cli(dqn.Args, default=DEFAULTS, description=__doc__))

@@ -9,13 +9,15 @@ reproducible async run.
 
 import tyro
 
+import leanrl
 from leanrl.algorithms import grpo, grpo_async
 
 DEFAULTS = grpo_async.Args(exp_name="grpo_arith", task="arithmetic")
 
 if __name__ == "__main__":
-    args = tyro.cli(grpo_async.Args, default=DEFAULTS)
-    if args.async_:
-        grpo_async.train(args)
-    else:
-        grpo.train(args)
+    with leanrl.clean_exit():
+        args = tyro.cli(grpo_async.Args, default=DEFAULTS)
+        if args.async_:
+            grpo_async.train(args)
+        else:
+            grpo.train(args)

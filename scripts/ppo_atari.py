@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import tyro
 
-from leanrl import resolve_device
+import leanrl
 from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 
@@ -21,13 +21,16 @@ DEFAULTS = Args(exp_name="ppo_atari", env_id="BreakoutNoFrameskip-v4", total_tim
                 clip_reward=True, bootstrap_truncated=False)
 
 if __name__ == "__main__":
-    args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
-    ppo_async.check_args(args)
-    device = resolve_device(args.device)
-    make_envs = functools.partial(make_env, args.env_id, args.num_envs, sticky_actions=args.sticky_actions)
-    if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
-        ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
-    else:
-        envs = make_envs(device=device, seed=args.seed)
-        ppo.train(args, envs, device)
-        envs.close()
+    with leanrl.clean_exit():
+        args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
+        ppo_async.check_args(args)
+        device = leanrl.resolve_device(args.device)
+        make_envs = functools.partial(make_env, args.env_id, args.num_envs, sticky_actions=args.sticky_actions)
+        make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,
+                                           seed=args.seed + 10_000, sticky_actions=args.sticky_actions)
+        if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
+            ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
+        else:
+            envs = make_envs(device=device, seed=args.seed)
+            ppo.train(args, envs, device, make_eval_envs)
+            envs.close()

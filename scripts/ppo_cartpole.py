@@ -5,7 +5,7 @@ import functools
 
 import tyro
 
-from leanrl import resolve_device
+import leanrl
 from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 
@@ -15,13 +15,16 @@ DEFAULTS = ppo_async.Args(exp_name="ppo_cartpole", env_id="torch/CartPole-v1", t
                           gae_lambda=0.8, clip_coef=0.2, ent_coef=0.0)
 
 if __name__ == "__main__":
-    args = tyro.cli(ppo_async.Args, default=DEFAULTS, description=__doc__)
-    ppo_async.check_args(args)
-    device = resolve_device(args.device)
-    make_envs = functools.partial(make_env, args.env_id, args.num_envs)
-    if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
-        ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
-    else:
-        envs = make_envs(device=device, seed=args.seed)
-        ppo.train(args, envs, device)
-        envs.close()
+    with leanrl.clean_exit():
+        args = tyro.cli(ppo_async.Args, default=DEFAULTS, description=__doc__)
+        ppo_async.check_args(args)
+        device = leanrl.resolve_device(args.device)
+        make_envs = functools.partial(make_env, args.env_id, args.num_envs)
+        make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,
+                                           seed=args.seed + 10_000)
+        if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
+            ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
+        else:
+            envs = make_envs(device=device, seed=args.seed)
+            ppo.train(args, envs, device, make_eval_envs)
+            envs.close()

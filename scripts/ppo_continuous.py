@@ -4,7 +4,7 @@ import functools
 
 import tyro
 
-from leanrl import resolve_device
+import leanrl
 from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 
@@ -13,14 +13,19 @@ DEFAULTS = ppo_async.Args(exp_name="ppo_continuous", env_id="HalfCheetah-v5", to
                           clip_coef=0.2, ent_coef=0.0)
 
 if __name__ == "__main__":
-    args = tyro.cli(ppo_async.Args, default=DEFAULTS, description=__doc__)
-    ppo_async.check_args(args)
-    device = resolve_device(args.device)
-    # gamma also discounts the reward normalizer's returns
-    make_envs = functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma)
-    if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
-        ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
-    else:
-        envs = make_envs(device=device, seed=args.seed)
-        ppo.train(args, envs, device)
-        envs.close()
+    with leanrl.clean_exit():
+        args = tyro.cli(ppo_async.Args, default=DEFAULTS, description=__doc__)
+        ppo_async.check_args(args)
+        device = leanrl.resolve_device(args.device)
+        # gamma also discounts the reward normalizer's returns
+        make_envs = functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma)
+        # evaluations read the training envs' observation statistics (ppo.train copies them) and raw rewards
+        raw_rewards = {} if args.env_id.startswith("torch/") else {"normalize_reward": False}
+        make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,
+                                           seed=args.seed + 10_000, **raw_rewards)
+        if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
+            ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
+        else:
+            envs = make_envs(device=device, seed=args.seed)
+            ppo.train(args, envs, device, make_eval_envs)
+            envs.close()

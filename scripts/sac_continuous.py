@@ -7,10 +7,12 @@ the replay buffer out unless `--save-buffer` is given (see `--help`).
 
 import tyro
 
+import leanrl
 from leanrl.algorithms import sac
 from leanrl.offpolicy import main
 
 DEFAULTS = sac.Args(exp_name="sac_continuous", env_id="HalfCheetah-v5")
 
 if __name__ == "__main__":
-    main(sac, tyro.cli(sac.Args, default=DEFAULTS, description=__doc__), raw=True)
+    with leanrl.clean_exit():
+        main(sac, tyro.cli(sac.Args, default=DEFAULTS, description=__doc__), raw=True)

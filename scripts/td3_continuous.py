@@ -7,10 +7,12 @@ the replay buffer out unless `--save-buffer` is given (see `--help`).
 
 import tyro
 
+import leanrl
 from leanrl.algorithms import td3
 from leanrl.offpolicy import main
 
 DEFAULTS = td3.Args(exp_name="td3_continuous", env_id="HalfCheetah-v5")
 
 if __name__ == "__main__":
-    main(td3, tyro.cli(td3.Args, default=DEFAULTS, description=__doc__), raw=True)
+    with leanrl.clean_exit():
+        main(td3, tyro.cli(td3.Args, default=DEFAULTS, description=__doc__), raw=True)

@@ -38,7 +38,7 @@ def make_envs(env_id, num_envs):
 CASES = {
     "ppo.py": '''
 import glob, ppo
-args = ppo.Args(env_id="CartPole-v1", num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2,
+args = ppo.Args(env_id="CartPole-v1", num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, anneal_lr=False,
                 total_timesteps=256, checkpoint_every=1, run_dir="runs", progress=False, device="cpu")
 first = ppo.train(args, make_envs(args.env_id, args.num_envs))
 (ckpt,) = glob.glob("runs/*/checkpoint.pt")

@@ -220,3 +220,104 @@ for env_id, extra in (("ALE/Breakout-v5", ".[atari]"), ("HalfCheetah-v5", ".[muj
         raise AssertionError(env_id)
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def _video_frames(path):
+    """(frame count, (width, height), whether any pixel has colour) of an mp4, read back with ffmpeg."""
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(str(path))
+    width, height = next(reader)["size"]
+    frames = [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
+    colour = any((f.max(axis=2).astype(int) - f.min(axis=2) > 30).any() for f in frames)
+    return len(frames), (width, height), colour
+
+
+def test_atari_video_records_sub_env_0_and_matches_ale_vector_env(tmp_path):
+    # sticky actions and a frame limit: the gymnasium-ALE path must reproduce the C++ repeats and truncation too
+    kwargs = dict(num_envs=2, seed=1, sticky_actions=True, max_num_frames_per_episode=616)  # 154 steps
+    folder = tmp_path / "videos"
+    env, ref = make_env("ALE/Breakout-v5", video_folder=folder, **kwargs), make_env("BreakoutNoFrameskip-v4", **kwargs)
+    assert env.single_observation_space == ref.single_observation_space
+    assert env.single_action_space == ref.single_action_space
+    obs = env.reset()
+    assert obs.shape == (2, 4, 84, 84) and obs.dtype == torch.uint8 and torch.equal(obs, ref.reset())
+    gen = torch.Generator().manual_seed(0)
+    returns, ends = np.zeros(2), {}
+    for step in range(1, 301):
+        action = torch.randint(0, 4, (2,), generator=gen)
+        td, ref_td = env.step(action), ref.step(action)
+        for key in ref_td.keys():  # the same numbers as AtariVectorEnv for the same seed and actions
+            assert torch.equal(td[key], ref_td[key]), key
+        assert td["next_obs"].shape == (2, 4, 84, 84) and td["next_obs"].dtype == torch.uint8
+        returns += td["reward"].numpy()
+        for i in range(2):
+            if i not in ends and td["episode_length"][i] > 0:
+                ends[i] = (step, returns[i], td[i])
+                if i == 0:  # its video is written when its episode ends
+                    assert [p.name for p in folder.iterdir()] == ["rl-video-episode-0.mp4"]
+        if len(ends) == 2:
+            break
+    else:
+        raise AssertionError("no episode ended")
+    for length, ret, end in ends.values():
+        assert end["episode_length"].item() == length and end["episode_return"].item() == ret
+        assert not torch.equal(end["final_obs"], end["next_obs"])
+    kinds = {"terminated" if end["terminated"] else "truncated" for *_, end in ends.values()}
+    assert kinds == {"terminated", "truncated"}  # seed 1: sub-env 0 loses its last life, sub-env 1 hits the limit
+    length = ends[0][0]
+    frames, size, colour = _video_frames(folder / "rl-video-episode-0.mp4")
+    # every emulator frame of the episode: 4 a step (fewer in the last), plus the reset's FIRE and up to 29 noops
+    assert 4 * length - 2 <= frames <= 4 * length + 32 and size == (160, 210) and colour
+    env.close()  # writes the episode under way, which is sub-env 0's only
+    assert sorted(p.name for p in folder.iterdir()) == ["rl-video-episode-0.mp4", "rl-video-episode-1.mp4"]
+    assert all(p.stat().st_size > 0 for p in folder.iterdir())
+
+
+def test_mujoco_video_records_every_episode_and_changes_no_number(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MUJOCO_GL", raising=False)  # the default this machine gets
+    kwargs = dict(num_envs=2, seed=3, max_episode_steps=12)
+    folder = tmp_path / "videos"
+    try:
+        env = make_env("InvertedPendulum-v5", video_folder=folder, **kwargs)
+    except RuntimeError as e:
+        if "cannot render" in str(e):
+            pytest.skip(f"no OpenGL backend for MuJoCo here: {e}")
+        raise
+    ref = make_env("InvertedPendulum-v5", **kwargs)
+    assert torch.equal(env.reset(), ref.reset())
+    gen = torch.Generator().manual_seed(0)
+    lengths = []
+    while len(lengths) < 3:
+        action = torch.rand(2, 1, generator=gen) * 2 - 1
+        td, ref_td = env.step(action), ref.step(action)
+        for key in ref_td.keys():  # rendering changes no number, normalization statistics included
+            assert torch.equal(td[key], ref_td[key]), key
+        if td["episode_length"][0] > 0:
+            lengths.append(td["episode_length"][0].item())
+    assert env.obs_rms.count == ref.obs_rms.count and np.array_equal(env.obs_rms.mean, ref.obs_rms.mean)
+    videos = sorted(folder.iterdir())
+    assert [p.name for p in videos] == [f"rl-video-episode-{i}.mp4" for i in range(3)]
+    for path, length in zip(videos, lengths):
+        frames, size, colour = _video_frames(path)
+        assert length <= frames <= length + 1 and size == (480, 480) and colour  # the reset's frame and each step's
+    env.close()
+
+
+def test_video_folder_errors_name_the_input(tmp_path, monkeypatch):
+    folder = tmp_path / "videos"
+    for env_id in ("torch/CartPole-v1", "torch/Pendulum-v1"):
+        with pytest.raises(ValueError, match=f"'{env_id}'.*does not render.*'{env_id[6:]}'"):
+            make_env(env_id, 2, video_folder=folder)
+    monkeypatch.setitem(sys.modules, "pygame", None)  # as if not installed, whether or not it is
+    with pytest.raises(ImportError, match="CartPole-v1 cannot render.*pygame"):
+        make_env("CartPole-v1", 2, video_folder=folder)
+    with pytest.raises(ValueError, match="batch_size"):
+        make_env("ALE/Breakout-v5", 2, video_folder=folder, batch_size=1)
+    with pytest.raises(TypeError, match="video_folder"):
+        make_env("ALE/Breakout-v5", 2, video_folder=1)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="video_folder .* is a file"):
+        make_env("ALE/Breakout-v5", 2, video_folder=tmp_path / "file")
+    assert not folder.exists()  # nothing was made

@@ -14,7 +14,8 @@ from torch.distributions import Normal
 import leanrl
 from leanrl.algorithms import dqn, sac, td3
 from leanrl.envs import make_env
-from leanrl.offpolicy import (Run, burn_in, evaluate, load_replay_state_dict, make_replay_buffer, make_twin_q,
+from leanrl import evaluate
+from leanrl.offpolicy import (Run, burn_in, load_replay_state_dict, make_replay_buffer, make_twin_q,
                               replay_state_dict)
 
 BOX3 = gym.spaces.Box(-1, 1, (3,), np.float32)
@@ -342,8 +343,13 @@ def test_dqn_compiled_update_matches_eager_after_k_steps():
 # ------------------------------------------------------------------------------- clear errors, early
 @pytest.mark.parametrize("module", [td3, sac, dqn])
 def test_bad_settings_fail_before_anything_is_built(module):
-    with pytest.raises(ValueError, match="batch_size = 512 must be between 1 and buffer_size = 100"):
+    with pytest.raises(ValueError, match="batch_size = 512 must be at most buffer_size = 100"):
         module.check_args(module.Args(batch_size=512, buffer_size=100))
+    lr = "policy_lr" if module is sac else "learning_rate"
+    for flag, value, rule in ((lr, -1e-3, "> 0"), ("gamma", 1.5, "in \\[0, 1\\]"), ("batch_size", 0, "> 0"),
+                              ("learning_starts", -1, ">= 0"), ("total_timesteps", 0, "> 0")):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} {value}: must be {rule}"):
+            module.check_args(module.Args(**{flag: value}))
     with pytest.raises(ValueError, match="no update would ever run"):
         module.check_args(module.Args(learning_starts=5000, total_timesteps=5000))
     with pytest.raises(ValueError, match="less than one step"):

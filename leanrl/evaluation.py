@@ -1,0 +1,26 @@
+"""Evaluation every few thousand steps, on an env of its own: the tool PPO, TD3, SAC and DQN share."""
+
+import torch
+
+
+def crossings(before: int, after: int, every: int) -> int:
+    """How many multiples of `every` the step count passed going from `before` to `after`."""
+    return after // every - before // every
+
+
+@torch.no_grad()
+def evaluate(policy, envs, seed: int) -> torch.Tensor:
+    """Mean return of one episode in each of `envs.num_envs` environments, acting with `policy` (obs -> action),
+    from a reset with `seed` (the same start states at every evaluation). Reads one flag to the host per step:
+    it is meant to run every few thousand training steps, not in the hot loop."""
+    obs = envs.reset(seed=seed)
+    returns = finished = None
+    while finished is None or not bool(finished.all()):
+        out = envs.step(policy(obs))
+        ended = out["episode_length"] > 0  # a whole episode ended (an Atari life loss is not one)
+        if finished is None:
+            returns, finished = torch.zeros_like(out["episode_return"]), torch.zeros_like(ended)
+        returns = torch.where(ended & ~finished, out["episode_return"], returns)
+        finished = finished | ended
+        obs = out["next_obs"]
+    return returns.mean()

@@ -1,0 +1,185 @@
+"""Around a run, as a CleanRL user meets it: the summary at the end and on a signal (exit codes 130/143, no
+traceback), the flags saved and checked on resume, one-line errors for torn and foreign checkpoints, atomic
+checkpoint writes, TensorBoard event files, range checks on flags, PPO's evaluation and video."""
+
+import functools
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import leanrl
+from leanrl.algorithms import ppo, ppo_async, td3
+from leanrl.envs import make_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CARTPOLE = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "1", "--update-epochs", "1"]
+
+
+def run_script(script, flags, run_dir, **kwargs):
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", script), *flags, "--run-dir", str(run_dir), "--no-progress"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=run_dir, **kwargs)
+
+
+def only_run(run_dir):
+    (path,) = glob.glob(f"{run_dir}/*/checkpoint.pt")
+    return os.path.dirname(path), path
+
+
+@pytest.fixture(scope="module")
+def finished_cartpole(tmp_path_factory):
+    """One short PPO CartPole run from the script: its process and run directory."""
+    run_dir = tmp_path_factory.mktemp("cartpole")
+    proc = run_script("ppo_cartpole.py", CARTPOLE + ["--total-timesteps", "1024"], run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, *only_run(run_dir)
+
+
+def test_a_finished_run_prints_its_summary_and_saves_its_flags(finished_cartpole):
+    proc, run, checkpoint = finished_cartpole
+    out = proc.stdout
+    assert f"run:        {run}" in out and "1,024 steps of 1,024 in" in out and "SPS after" in out
+    assert "return:     last " in out and ", best " in out and f"checkpoint: {checkpoint}" in out
+    config = json.load(open(os.path.join(run, "config.json")))
+    assert config["num_envs"] == 8 and config["env_id"] == "torch/CartPole-v1"
+    state = torch.load(checkpoint, weights_only=False)
+    assert state["args"] == config and state["algorithm"] == "ppo_async"
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_prints_the_summary_and_exits_quietly(tmp_path, signum, code):
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), *CARTPOLE, "--total-timesteps",
+           "100000000", "--run-dir", str(tmp_path), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 300
+    while not glob.glob(f"{tmp_path}/*/metrics.jsonl") or not open(glob.glob(f"{tmp_path}/*/metrics.jsonl")[0]).read():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "interrupted; checkpoint saved (resume with --resume" in out
+    assert "stopped by an interrupt at step" in out and "checkpoint: " in out
+    _, checkpoint = only_run(tmp_path)
+    assert torch.load(checkpoint, weights_only=False)["iteration"] >= 1
+
+
+def copy_checkpoint(finished_cartpole, tmp_path):
+    """A copy of the finished run's checkpoint, in its own directory (a resume logs into the checkpoint's)."""
+    _, run, checkpoint = finished_cartpole
+    path = tmp_path / "run" / "checkpoint.pt"
+    path.parent.mkdir()
+    path.write_bytes(open(checkpoint, "rb").read())
+    return path
+
+
+def test_resume_refuses_a_breaking_flag_and_accepts_a_harmless_one(finished_cartpole, tmp_path):
+    path = copy_checkpoint(finished_cartpole, tmp_path)
+    proc = run_script("ppo_cartpole.py", CARTPOLE[:1] + ["4"] + CARTPOLE[2:] +
+                      ["--total-timesteps", "2048", "--resume", str(path)], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--num-envs 8 -> 4" in line and "--total-timesteps 1024 -> 2048" in line and "config.json" in line
+    proc = run_script("ppo_cartpole.py", CARTPOLE + ["--total-timesteps", "1024", "--log-every", "3", "--compile",
+                                                     "--resume", str(path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1,024 steps of 1,024" in proc.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text"])
+def test_a_torn_or_garbage_checkpoint_is_one_line(finished_cartpole, tmp_path, damage):
+    path = copy_checkpoint(finished_cartpole, tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a checkpoint\n")
+    proc = run_script("ppo_cartpole.py", CARTPOLE + ["--total-timesteps", "1024", "--resume", str(path)], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: --resume {path}: not a readable checkpoint")
+
+
+def test_a_checkpoint_of_another_script_or_algorithm_is_one_line(finished_cartpole, tmp_path):
+    _, _, checkpoint = finished_cartpole
+    proc = run_script("ppo_atari.py", ["--num-envs", "2", "--num-steps", "32", "--total-timesteps", "64",
+                                       "--resume", checkpoint], tmp_path)
+    assert proc.returncode == 2 and "Missing key" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "a checkpoint of another script or experiment ('ppo_cartpole' on 'torch/CartPole-v1')" in line
+    path = str(tmp_path / "td3.pt")
+    leanrl.save_checkpoint(path, {"iteration": 1}, td3.Args())
+    with pytest.raises(leanrl.CheckpointError, match="a td3 checkpoint .*, not one of ppo_async"):
+        leanrl.load_checkpoint(path, ppo_async.Args())
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    leanrl.save_checkpoint(path, {"iteration": 1})
+
+    def torn_save(obj, f):
+        open(f, "wb").write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(KeyboardInterrupt):
+        leanrl.save_checkpoint(path, {"iteration": 2})
+    monkeypatch.undo()
+    assert leanrl.load_checkpoint(path)["iteration"] == 1 and os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_tensorboard_reads_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=20, progress=False, summary=False)
+    for step in (10, 20):
+        logger.record({"losses/value_loss": torch.tensor(step / 10)})
+        logger.record_episodes(torch.tensor([True]), torch.tensor([float(step)]), torch.tensor([5.0]))
+        logger.end_iteration(step)
+        logger.flush()
+    logger.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("losses/value_loss")] == [(10, 1.0), (20, 2.0)]
+    assert [e.value for e in events.Scalars("charts/episodic_return")] == [10.0, 20.0]
+    assert "hyperparameters/text_summary" in events.Tags()["tensors"]
+
+
+@pytest.mark.parametrize("flag, value, rule", [
+    ("learning_rate", -1e-3, "> 0"), ("num_envs", 0, "> 0"), ("num_minibatches", 0, "> 0"),
+    ("total_timesteps", -5, "> 0"), ("gamma", 1.5, r"in \[0, 1\]"), ("gae_lambda", float("nan"), r"in \[0, 1\]"),
+    ("ent_coef", -0.1, ">= 0"), ("checkpoint_every", -1, ">= 0")])
+def test_bad_numbers_name_their_flag(flag, value, rule):
+    with pytest.raises(ValueError, match=f"^--{flag.replace('_', '-')} {value}: must be {rule}$"):
+        ppo.check_args(ppo.Args(**{flag: value}))
+
+
+def test_ppo_evaluates_every_n_steps_and_at_the_end(tmp_path):
+    args = ppo.Args(env_id="torch/CartPole-v1", num_envs=4, num_steps=32, num_minibatches=1, update_epochs=1,
+                    total_timesteps=1024, eval_every=256, eval_episodes=3, run_dir=str(tmp_path), progress=False)
+    make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, seed=11)
+    result = ppo.train(args, make_env(args.env_id, args.num_envs, seed=1), torch.device("cpu"), make_eval_envs)
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    evaluated = [r["global_step"] for r in rows if "charts/eval_return" in r]
+    assert evaluated == [256, 512, 768, 1024]  # every 256 steps, the last one at the end
+    assert all(r["charts/eval_return"] >= 8 for r in rows if "charts/eval_return" in r)  # CartPole's shortest
+    with pytest.raises(ValueError, match="no make_eval_envs"):
+        ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu"))
+
+
+def test_capture_video_films_the_evaluation(tmp_path):
+    pytest.importorskip("ale_py")
+    pytest.importorskip("moviepy")
+    proc = run_script("ppo_atari.py", ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1",
+                                       "--update-epochs", "1", "--total-timesteps", "32", "--capture-video",
+                                       "--eval-episodes", "1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run, _ = only_run(tmp_path)
+    videos = glob.glob(f"{run}/videos/*.mp4")
+    assert videos and all(os.path.getsize(v) > 1000 for v in videos)
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert "charts/eval_return" in rows[-1]
