@@ -56,7 +56,10 @@ def test_a_finished_run_prints_its_summary_and_saves_its_flags(finished_cartpole
 def test_a_signal_saves_prints_the_summary_and_exits_quietly(tmp_path, signum, code):
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), *CARTPOLE, "--total-timesteps",
            "100000000", "--run-dir", str(tmp_path), "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    # A shell that starts jobs in the background makes them ignore SIGINT, and Python keeps an inherited SIG_IGN:
+    # give the run the default disposition a terminal gives it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not glob.glob(f"{tmp_path}/*/metrics.jsonl") or not open(glob.glob(f"{tmp_path}/*/metrics.jsonl")[0]).read():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
