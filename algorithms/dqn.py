@@ -193,7 +193,8 @@ class DQN:
         self.q_target = make_q_network(obs_space, act_space, device).requires_grad_(False)
         self.online, self.target = from_module(self.q_network).data, from_module(self.q_target).data
         self.target.update_(self.online)
-        wrap = leanrl.wrap_flags(args, device)
+        wrap = leanrl.wrap_flags(args, device, eager_on_cpu="DQN's policy and update: compiled, a whole run "
+                                 "measured 0.90x eager on a 2-core CPU")
         self.optimizer = leanrl.make_adam(list(self.q_network.parameters()), args.learning_rate, **wrap)
 
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # the global step, advanced by the policy

@@ -130,21 +130,18 @@ def collector(ctx, args: Args, make_envs, device):
     leanrl.seed_everything(seed, args.torch_deterministic)
     envs = make_envs(seed=seed, device=device)
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
-    wrap = leanrl.wrap_flags(args, device)
-    policy = leanrl.accelerate(ppo.make_policy(agent), name="policy", **wrap)
-    get_value = leanrl.accelerate(agent.get_value, name="get_value", **wrap)
-    env_step = leanrl.accelerate(envs.step, name="env_step", **wrap) if envs.on_device else envs.step
+    act, get_value = ppo.make_acting(agent, envs, args, leanrl.wrap_flags(args, device))
     storage = ppo.make_storage(envs, args, device)
     next_obs, versions = envs.reset(seed=seed), []
 
-    def tagged_policy(obs):
+    def tagged_act(obs):
         versions.append(ctx.step_boundary())
-        return policy(obs)
+        return act(obs)
 
     try:
         for batch in ctx.batches(from_module(agent).data, batch_template(storage)):
             versions.clear()
-            next_values, terminated = ppo.rollout(tagged_policy, get_value, env_step, next_obs, storage, args)
+            next_values, terminated = ppo.rollout(tagged_act, get_value, next_obs, storage, args)
             batch.update_(storage)
             batch["next_values"].copy_(next_values)
             batch["gae_terminated"].copy_(terminated)

@@ -226,7 +226,8 @@ class SAC:
         self.q_target = self.q_online.clone()
         _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"))
 
-        wrap = leanrl.wrap_flags(args, device)
+        wrap = leanrl.wrap_flags(args, device, eager_on_cpu="SAC's policy and updates: compiled, they measured "
+                                 "0.76-0.93x eager at batch 256 on 2-core CPUs")
         # Temperature: log_alpha is learned (autotune) or a constant.
         self.target_entropy = -float(self.action_dim)
         if args.autotune:

@@ -193,7 +193,8 @@ class TD3:
         self.actor_target = Actor(obs_dim, act_space, H, "meta")
         self.targets["actor"].to_module(self.actor_target)
 
-        wrap = leanrl.wrap_flags(args, device)
+        wrap = leanrl.wrap_flags(args, device, eager_on_cpu="TD3's policy and updates: compiled, they measured "
+                                 "0.58-0.90x eager at batch 256 on 2-core CPUs")
         self.q_optimizer = leanrl.make_adam(list(self.q_params.values(True, True)), args.learning_rate, **wrap)
         self.actor_optimizer = leanrl.make_adam(list(self.actor.parameters()), args.learning_rate, **wrap)
 

@@ -77,8 +77,8 @@ def collector_rollout(args, envs, seed):
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU).requires_grad_(False)
     storage = ppo.make_storage(envs, args, CPU)
     next_obs = envs.reset(seed=seed)
-    return functools.partial(ppo.rollout, ppo.make_policy(agent), agent.get_value, envs.step, next_obs, storage,
-                             args), storage
+    act = ppo.make_act(ppo.make_policy(agent), agent.get_value, envs.step, args)
+    return functools.partial(ppo.rollout, act, agent.get_value, next_obs, storage, args), storage
 
 
 def rollout_times(median_ms, sigma, n):

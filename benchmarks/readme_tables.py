@@ -23,18 +23,28 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 def section(results_dir: str, readme_dir: str) -> str:
     machines = []
     for slug in sorted(os.listdir(results_dir)):
-        path = os.path.join(results_dir, slug, "results.json")
-        if os.path.isfile(path):
-            with open(path) as f:
+        folder, results = os.path.join(results_dir, slug), None
+        if os.path.isfile(os.path.join(folder, "results.json")):
+            with open(os.path.join(folder, "results.json")) as f:
                 results = json.load(f)
-            if not results["settings"]["quick"]:
-                machines.append((results["machine"]["gpu"] is not None, slug, results))
+            if results["settings"]["quick"]:
+                results = None
+        body = (summary_markdown(results, os.path.relpath(folder, readme_dir)) if results else "") \
+            + speed_section(folder) + async_section(folder, readme_dir)
+        if body:
+            machines.append((results is not None and results["machine"]["gpu"] is not None, slug, body))
     if not machines:
         return "No benchmark results yet: run `python benchmarks/run.py`."
-    return "\n".join(f"### {'GPU' if gpu else 'CPU'}: {slug}\n\n"
-                     + summary_markdown(results, os.path.relpath(os.path.join(results_dir, slug), readme_dir))
-                     + async_section(os.path.join(results_dir, slug), readme_dir)
-                     for gpu, slug, results in sorted(machines, key=lambda m: m[:2]))
+    return "\n".join(f"### {'GPU' if gpu else 'CPU'}: {slug}\n\n{body}" for gpu, slug, body in sorted(machines))
+
+
+def speed_section(folder: str) -> str:
+    """benchmarks/cpu_speed.py's table (whole runs against the CleanRL-style loop), when that machine has it."""
+    path = os.path.join(folder, "cpu_speed.md")
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        return "\n#" + f.read()  # its "##" heading one level down, under the machine's
 
 
 def async_section(folder: str, readme_dir: str) -> str:

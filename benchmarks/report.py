@@ -71,8 +71,9 @@ def algo_table(name: str, algo: dict) -> str:
             lambda e, c: e["median_ms"] / c["median_ms"])
     row("end-to-end env-steps/s", lambda r: r["sps"], ratio=lambda e, v: v / e)
     row("compile s (first call; inductor cache)",
-        lambda r: {fn: (c["compile_s"], c["inductor_cache"]) for fn, c in r["calls"].items() if "compile_s" in c}
-        or None, lambda d: ", ".join(f"{fn} {fmt(t)} ({cache})" for fn, (t, cache) in d.items()))
+        lambda r: {fn: c for fn, c in r["calls"].items() if "compile_s" in c or c.get("kept_eager")} or None,
+        lambda d: ", ".join(f"{fn} kept eager here" if c.get("kept_eager") else
+                            f"{fn} {fmt(c['compile_s'])} ({c['inductor_cache']})" for fn, c in d.items()))
     row("capture s (capture call)", per_fn("capture_s"), listed)
     row("GPU busy (kernel time / wall)", per_fn("gpu_busy"), lambda d: listed(d, lambda v: f"{v:.0%}"))
     memory = "GPU allocated" if algo["device"].startswith("cuda") else "RSS"

@@ -68,7 +68,7 @@ def check(results: dict) -> list[dict]:
     slower = []
     for name, algo in algos.items():
         for fn, c in (ok(algo["modes"].get("compile")) or {}).get("calls", {}).items():
-            if (s := speedup(algo, fn, "compile")) is not None and s < 1:
+            if not c.get("kept_eager") and (s := speedup(algo, fn, "compile")) is not None and s < 1:
                 slower.append(f"{name} `{fn}` [{'x'.join(map(str, c['input_shapes'][0]))}] {s:.2f}x")
     for name, sc in scaling.items():
         eager, compiled = ok(sc["modes"].get("eager")), ok(sc["modes"].get("compile"))

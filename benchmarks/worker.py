@@ -59,7 +59,9 @@ class Run:
             first = [timed(fn, args, device) for _ in range(leanrl.WARMUP + 1)]
             c = self.result["calls"][fn_name] = dict(
                 first_calls_s=first, input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)])
-            if compile:
+            if compile and not hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable"):
+                c["kept_eager"] = True  # --compile keeps it eager on this device (see leanrl.wrap_flags)
+            elif compile:
                 c["compile_s"] = first[0]  # dynamo and inductor run inside the first call
                 c["inductor_cache"] = cache_state(cache)
             if self.graphs:

@@ -1,6 +1,7 @@
 """The LeanRL trick in one place: compile inside, CUDA graph outside, shapes guarded."""
 
 import functools
+import os
 import sys
 
 import torch
@@ -11,7 +12,7 @@ from tensordict.nn import CudaGraphModule
 # Logger's burn-in iterations before its SPS clock starts. Read everywhere from here.
 WARMUP = 2
 
-_warned_no_cuda = False
+_said: set[str] = set()  # messages printed once per process
 
 
 def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = WARMUP,
@@ -43,9 +44,17 @@ def make_adam(params, lr: float, *, compile: bool, cudagraphs: bool, device, **k
                             fused=not compile, **kwargs)
 
 
-def wrap_flags(args, device) -> dict:
-    """The acceleration keywords of `accelerate` and `make_adam`, from a run's `--compile` / `--cudagraphs`."""
-    return dict(compile=args.compile, cudagraphs=args.cudagraphs, device=device)
+def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:
+    """The acceleration keywords of `accelerate` and `make_adam`, from a run's `--compile` / `--cudagraphs`.
+
+    `eager_on_cpu`: what of the algorithm compiling does not pay for on a CPU, and why (a measurement). There
+    `--compile` keeps it eager (with fused Adam) and says so once: `--compile` is never a slowdown.
+    LEANRL_COMPILE_ON_CPU=1 compiles it anyway (to measure it again, and in tests)."""
+    compile = args.compile
+    if compile and eager_on_cpu and torch.device(device).type == "cpu" and os.environ.get("LEANRL_COMPILE_ON_CPU") != "1":
+        _say_once(f"leanrl: --compile keeps {eager_on_cpu} eager on CPU (LEANRL_COMPILE_ON_CPU=1 compiles anyway).")
+        compile = False
+    return dict(compile=compile, cudagraphs=args.cudagraphs, device=device)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -58,11 +67,14 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
 
 
 def _say_no_cuda_once():
-    global _warned_no_cuda
-    if not _warned_no_cuda:
-        # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
-        print("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.", file=sys.stderr)
-        _warned_no_cuda = True
+    # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
+    _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
+
+
+def _say_once(message: str):
+    if message not in _said:
+        print(message, file=sys.stderr)
+        _said.add(message)
 
 
 class ShapeChangeError(ValueError):

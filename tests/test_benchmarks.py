@@ -137,3 +137,24 @@ def test_async_vs_sync_writes_its_table_plot_and_readme_section(out, tmp_path):
     proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
     assert proc.returncode == 0, proc.stderr
     assert "#### Async vs sync" in readme.read_text() and "(results/cpu-test/async_vs_sync.png)" in readme.read_text()
+
+
+def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_readme(tmp_path):
+    """benchmarks/cpu_speed.py at a smoke size: the CleanRL-style reference and leanrl eager, each a process of its
+    own; a row per run with its speed-up over the reference; the table in the machine's README section."""
+    folder = tmp_path / "results" / "cpu-test"
+    proc = bench("--envs", "2", "--total-timesteps", "1024", "--runs", "reference,eager", "--out", str(folder),
+                 script="cpu_speed.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((folder / "cpu_speed.json").read_text())["envs"]["2"]
+    assert list(runs) == ["reference", "eager"]
+    for r in runs.values():
+        assert r["status"] == "ok" and 0 < r["startup_s"] < r["wall_s"] and r["sps"] > 0
+    assert "| 2 | reference |" in proc.stdout and "| 1.00x |" in proc.stdout and "| 2 | eager |" in proc.stdout
+    bad = bench("--runs", "eager,fastest", script="cpu_speed.py")
+    assert bad.returncode == 2 and "unknown fastest" in bad.stderr
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
+    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "### CPU: cpu-test" in readme.read_text() and "### PPO CartPole, 1,024 steps" in readme.read_text()

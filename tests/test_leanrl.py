@@ -23,7 +23,7 @@ def test_accelerate_matches_eager(compile):
 
 
 def test_cudagraphs_without_cuda_says_so_once_and_runs(capfd, monkeypatch):
-    monkeypatch.setattr(acceleration, "_warned_no_cuda", False)
+    monkeypatch.setattr(acceleration, "_said", set())
     x, w = torch.randn(8, 4), torch.randn(4, 3)
     f1 = leanrl.accelerate(affine, cudagraphs=True, device="cpu")
     f2 = leanrl.accelerate(affine, cudagraphs=True, device="cpu")
@@ -32,6 +32,20 @@ def test_cudagraphs_without_cuda_says_so_once_and_runs(capfd, monkeypatch):
     err = capfd.readouterr().err
     assert err.count("--cudagraphs needs a CUDA device") == 1
     assert "CudaGraphModule" not in type(f1.fn).__name__
+
+
+def test_compile_keeps_what_does_not_pay_on_cpu_eager_and_says_so_once(capfd, monkeypatch):
+    monkeypatch.setattr(acceleration, "_said", set())
+    monkeypatch.delenv("LEANRL_COMPILE_ON_CPU", raising=False)
+    args = leanrl.RunArgs(compile=True)
+    for _ in range(2):
+        assert leanrl.wrap_flags(args, "cpu", eager_on_cpu="X's update")["compile"] is False
+    assert capfd.readouterr().err.count("--compile keeps X's update eager on CPU") == 1
+    assert leanrl.wrap_flags(args, "cpu")["compile"] is True  # nothing named: compiled
+    assert leanrl.wrap_flags(args, "cuda", eager_on_cpu="X's update")["compile"] is True
+    assert leanrl.wrap_flags(leanrl.RunArgs(), "cpu", eager_on_cpu="X's update")["compile"] is False
+    monkeypatch.setenv("LEANRL_COMPILE_ON_CPU", "1")
+    assert leanrl.wrap_flags(args, "cpu", eager_on_cpu="X's update")["compile"] is True
 
 
 def test_shape_guard_rejects_a_smaller_broadcastable_input():

@@ -64,6 +64,13 @@ def fallback_random():
         yield
 
 
+@pytest.fixture(autouse=True)
+def compile_on_cpu(monkeypatch):
+    """--compile keeps these algorithms eager on CPU, where compiled they are slower: these tests check the compiled
+    code itself, which runs on GPUs."""
+    monkeypatch.setenv("LEANRL_COMPILE_ON_CPU", "1")
+
+
 def small(module, **kw):
     base = dict(hidden_dim=16, batch_size=8, buffer_size=64, learning_starts=4, total_timesteps=1000, num_envs=2,
                 progress=False, checkpoint_every=0)

@@ -10,6 +10,7 @@ import torch._inductor.config
 from torch.distributions import Categorical, Normal
 
 import leanrl
+from leanrl import acceleration
 from leanrl.algorithms import ppo
 from leanrl.envs import make_env
 
@@ -195,10 +196,11 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
 
 @torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
 @pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
-def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path):
+def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path, monkeypatch):
     """--graph-iteration (rollout on the on-device env, GAE and every epoch in one graph, phases compiled)
     against plain eager, from the same seed, with discrete and continuous actions. On CPU the graph falls
-    back, the compiled phases remain."""
+    back, the compiled phases remain (GAE too: compiled, though on CPU --compile keeps it eager)."""
+    monkeypatch.setenv("LEANRL_COMPILE_ON_CPU", "1")
     torch._dynamo.reset()  # no compiled code cached by earlier tests (under other settings) may be reused
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     agents = []
@@ -208,6 +210,22 @@ def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path):
         agents.append(ppo.train(args, make_env(args.env_id, args.num_envs, device=device), device).agent)
     for (name, e), g in zip(agents[0].named_parameters(), agents[1].parameters()):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@torch._inductor.config.patch(fallback_random=True)
+def test_compiled_step_matches_eager(tmp_path, capfd, monkeypatch):
+    """--compile with an on-device env: policy, env step and critic in one compiled call per step, the update
+    compiled, GAE kept eager on CPU (and said so). The same parameters as eager from the same seed."""
+    monkeypatch.setattr(acceleration, "_said", set())  # said once per process: maybe before this test
+    torch._dynamo.reset()
+    agents = []
+    for compile in (False, True):
+        args = ppo.Args(**{**CARTPOLE, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
+                           "total_timesteps": 3 * 8 * 16, "run_dir": str(tmp_path / str(compile)), "compile": compile})
+        agents.append(ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu")).agent)
+    for (name, e), c in zip(agents[0].named_parameters(), agents[1].parameters()):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
+    assert "--compile keeps GAE" in capfd.readouterr().err
 
 
 def test_graph_iteration_needs_an_on_device_env():
