@@ -64,7 +64,8 @@ def leanrl_run(num_envs: int, total: int, tmp: str, flags: list, env: dict) -> d
                         "--num-envs", str(num_envs), "--total-timesteps", str(total), "--no-progress",
                         "--checkpoint-every", "0", "--run-dir", run_dir, *flags], env)
     steps, train_s, sps, warmup_s = SUMMARY.search(out).groups()
-    with open(next(os.path.join(r, "metrics.jsonl") for r, _, files in os.walk(run_dir) if "metrics.jsonl" in files)) as f:
+    metrics = next(os.path.join(r, "metrics.jsonl") for r, _, files in os.walk(run_dir) if "metrics.jsonl" in files)
+    with open(metrics) as f:
         returns = [m["charts/episodic_return"] for m in map(json.loads, f) if "charts/episodic_return" in m]
     # The first step after the warm-up iterations (where the compile happens) is the first steady one.
     return dict(wall_s=wall, startup_s=wall - float(train_s) + float(warmup_s or 0),

@@ -32,7 +32,8 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     if torch.device(device).type == "cuda":
         fn = CudaGraphModule(fn, warmup=warmup, device=torch.device(device))
     else:
-        _say_no_cuda_once()
+        # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
+        _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
     return ShapeGuard(fn, name)
 
 
@@ -50,8 +51,8 @@ def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:
     `eager_on_cpu`: what of the algorithm compiling does not pay for on a CPU, and why (a measurement). There
     `--compile` keeps it eager (with fused Adam) and says so once: `--compile` is never a slowdown.
     LEANRL_COMPILE_ON_CPU=1 compiles it anyway (to measure it again, and in tests)."""
-    compile = args.compile
-    if compile and eager_on_cpu and torch.device(device).type == "cpu" and os.environ.get("LEANRL_COMPILE_ON_CPU") != "1":
+    compile, on_cpu = args.compile, torch.device(device).type == "cpu"
+    if compile and eager_on_cpu and on_cpu and os.environ.get("LEANRL_COMPILE_ON_CPU") != "1":
         _say_once(f"leanrl: --compile keeps {eager_on_cpu} eager on CPU (LEANRL_COMPILE_ON_CPU=1 compiles anyway).")
         compile = False
     return dict(compile=compile, cudagraphs=args.cudagraphs, device=device)
@@ -64,11 +65,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr.copy_(group["lr"])
-
-
-def _say_no_cuda_once():
-    # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
-    _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
 
 
 def _say_once(message: str):
