@@ -62,7 +62,8 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int):
     prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + ctx.rank, stride=args.num_collectors)
     for batch in ctx.batches(sampler.params, batch_template(sampler, args)):
         stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=ctx.step_boundary,
-                             min_version=ctx.min_version, carry_over=not args.deterministic)
+                             min_version=ctx.min_version, carry_over=not args.deterministic,
+                             min_version_step=args.num_collectors)
         host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
         batch["rewards"].copy_(grpo.score(task, tokenizer, host, args.seed))
         batch["sampler_stats"].copy_(torch.tensor([stats[k] for k in STATS], dtype=torch.float64))

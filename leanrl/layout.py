@@ -18,7 +18,8 @@ Sampler
       sequence with probability ∝ ℓ, half-way through it on average). A measured curve (decode step time vs
       batch, benchmarks/sampler_latency.py) replaces (3); it is interpolated linearly in B.
   (4) knee of (3)                 B* = F·w / (2·W) (KV reads neglected): memory-bound below, compute above
-  (5) prefill per sequence        t_pf = 2·P·p / (tp·F)        (compute-bound; 0 when p = 0)
+  (5) prefill per sequence        t_pf = 2·P·p / (tp·F)        (compute-bound; 0 when p = 0), or a measured
+                                  time per started sequence (`prefill_s`; 0 with a measured curve otherwise)
   (6) sampler rate                X_s = n / (E[ℓ]·t(B)/B + t_pf)   sequences/s, all slots busy
 Trainer
   (7) FLOPs per trained token     6·P + 2·P·f      f: extra forward passes (reference model, proximal
@@ -237,6 +238,8 @@ class Setup:
     train_step_s: float | None = None
     """measured seconds per optimizer step; replaces both (fixed trainer pool, e.g. a CPU run)"""
     extra_forwards: int = 0
+    prefill_s: float | None = None
+    """measured seconds per started sequence (its prefill and admission); replaces (5)"""
     overhead_s: float = 0.0
     """t_0: fixed time per decode step (launches, sampling)"""
     pause_s: float | None = None
@@ -307,6 +310,8 @@ def step_time(s: Setup, b: float) -> float:  # (3), or the measured curve
 
 
 def prefill_time(s: Setup) -> float:  # (5)
+    if s.prefill_s is not None:
+        return s.prefill_s
     return 2 * s.model.params * s.prompt_len / (s.tp * s.gpu.flops) if s.latency is None else 0.0
 
 

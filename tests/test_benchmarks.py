@@ -158,3 +158,19 @@ def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_readme
     proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
     assert proc.returncode == 0, proc.stderr
     assert "### CPU: cpu-test" in readme.read_text() and "### PPO CartPole, 1,024 steps" in readme.read_text()
+
+
+def test_grpo_layout_validation_runs_sync_and_async_against_the_planner():
+    """`layout_validation_grpo.py --quick`: a sync and an async GRPO run, each next to the planner's prediction
+    from its calibration; the async collector restarts almost nothing (its admission waits for a recent version,
+    where it used to restart about half of each batch)."""
+    run = bench("--quick", script="layout_validation_grpo.py")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.strip().splitlines()[-1].removeprefix("written to ")
+    info = json.loads(open(os.path.join(out, "layout_validation_grpo.json")).read())
+    sync, pipelined = info["results"]
+    assert sync["mode"] == "sync" and sync["measured_lag"] == 0 == sync["restarted_per_batch"]
+    assert pipelined["mode"] == "pipelined" and 0 < pipelined["measured_lag"] <= pipelined["max_lag"]
+    assert pipelined["restarted_per_batch"] < 8  # of 128 sequences per batch
+    for r in (sync, pipelined):
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s"))

@@ -328,6 +328,28 @@ def test_carry_over_and_min_version_drops(models):
     assert stats["groups"] == 2 and all(s is None for s in sampler._slot) and not sampler._queue
 
 
+def test_admission_starts_a_later_batch_group_only_when_it_will_not_be_restarted(models):
+    """min_version_step=1 (one async collector): groups for the next call start only once the version has risen,
+    so the next call (min_version + 1) restarts nothing; without it, everything carried over is restarted."""
+    model, tok = models["qwen3"]
+    for step, restarted in ((0, True), (1, False)):
+        sampler = make_sampler(model, tok, num_slots=4, max_len=14, seed=1)
+        prompts = iter(prompts_of(tok, PROMPTS * 8))
+        batch = sampler.make_batch(4)
+        stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: 0, min_version_step=step)
+        carried = sum(s is not None for s in sampler._slot) + len(sampler._queue)
+        assert (carried > 0) == restarted and stats["groups"] == 2
+        versions = iter([1] * 3 + [2] * 1000)  # the trainer publishes version 2 three steps into the fill
+        stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: next(versions), min_version=1,
+                             min_version_step=step)
+        assert (stats["dropped"] > 0) == restarted and batch["version"][batch["completion_mask"]].min() >= 1
+        if step:  # what runs on into the next call started with version 2: nothing for min_version 2 to restart
+            assert all(s[4] >= 2 for s in sampler._slot if s is not None and s[4] is not None)
+            stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: 2, min_version=2,
+                                 min_version_step=step)
+            assert stats["dropped"] == 0 and stats["groups"] == 2
+
+
 def test_bad_input_raises_before_any_compile(models, tokenizer):
     from torch._dynamo.utils import counters
 

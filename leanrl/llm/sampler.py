@@ -29,6 +29,17 @@ class _Group:
         self.order, self.prompt_id, self.tokens, self.done = order, prompt_id, tokens, [None] * group_size
 
 
+def may_admit(ahead: int, need: int, version: int, min_version: int, carry_over: bool, min_version_step: int):
+    """Whether `fill` may start another group now. With `ahead` groups admitted before it, it lands in the batch
+    `ahead // need` fills after this one (groups complete about in admission order), whose min_version is higher by
+    `min_version_step` per fill: it starts only once this step's version reaches that, else it would be restarted
+    there (PipelineRL's admission). Without carry_over only this batch's groups start, and none outlives the call."""
+    later = ahead // need
+    if not carry_over:
+        return later == 0
+    return version >= min_version + min_version_step * later
+
+
 class Sampler:
     def __init__(self, model, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
                  temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, compile=False, cudagraphs=False,
@@ -298,7 +309,7 @@ class Sampler:
         return len(stale)
 
     def fill(self, batch, prompts, *, group_size: int, step_boundary=lambda: 0, min_version=0,
-             carry_over=True) -> dict:
+             carry_over=True, min_version_step=0) -> dict:
         """Fill `batch` with `len(batch) // group_size` complete groups of `group_size` completions each.
 
         `prompts` yields `(prompt_id, token ids)`, pulled lazily. `step_boundary()` runs before every decode step
@@ -306,7 +317,10 @@ class Sampler:
         place); versions never decrease, so a sequence's oldest version is that of its first token. A sequence
         whose first token is older than `min_version` is restarted from its prompt (stats["dropped"]).
         `carry_over=True` leaves the sequences still running when the batch is full in their slots for the next
-        call; `carry_over=False` admits only this batch's groups, so none outlives the call. If `prompts` runs
+        call; `carry_over=False` admits only this batch's groups, so none outlives the call. `min_version_step`: how
+        much min_version rises from one call to the next (an async collector: the number of collectors); a group
+        for a later call then starts only once its tokens will be recent enough there (`may_admit`); 0: admit
+        whenever a slot is free. If `prompts` runs
         out, the batch holds stats["groups"] groups and its other rows are empty (no completion tokens)."""
         B = batch.batch_size[0]
         if group_size < 1 or B % group_size:
@@ -330,8 +344,7 @@ class Sampler:
             stats["dropped"] += self._complete(group, min_version)
         in_flight = {id(g): g for g, _ in self._queue}
         in_flight.update({id(s[0]): s[0] for s in self._slot if s is not None})
-        # carry_over=False admits only the groups this batch takes, so nothing outlives the call.
-        admit = None if carry_over else need - len(self._ready) - len(in_flight)
+        ahead = len(self._ready) + len(in_flight)  # groups admitted before the next one
         exhausted = False
 
         while len(self._ready) < need:
@@ -349,7 +362,8 @@ class Sampler:
             for s in range(self.num_slots):
                 if self._slot[s] is not None:
                     continue
-                if not self._queue and not exhausted and (admit is None or admit > 0):
+                if not self._queue and not exhausted and may_admit(ahead, need, version, min_version, carry_over,
+                                                                    min_version_step):
                     try:
                         prompt_id, tokens = next(prompts)
                     except StopIteration:
@@ -360,7 +374,7 @@ class Sampler:
                         group = _Group(self._order, prompt_id, tokens, group_size)
                         self._order += 1
                         self._queue.extend((group, j) for j in range(group_size))
-                        admit = None if admit is None else admit - 1
+                        ahead += 1
                 if not self._queue:
                     break
                 self._start(s, *self._queue.popleft())

@@ -23,7 +23,7 @@ from safetensors.torch import save
 from tensordict import from_module
 
 from leanrl.llm.models import load_model
-from leanrl.llm.sampler import Sampler, _Group
+from leanrl.llm.sampler import Sampler, _Group, may_admit
 
 WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
 
@@ -166,7 +166,7 @@ class VLLMSampler:
         return tokens, logprobs, version, P, C, finished, int(completion.weight_versions[0].version)
 
     def fill(self, batch, prompts, *, group_size: int, step_boundary=lambda: 0, min_version=0,
-             carry_over=True) -> dict:
+             carry_over=True, min_version_step=0) -> dict:
         """The built-in sampler's `fill` (see `leanrl.llm.Sampler.fill`) on the vLLM engine: one engine step per
         decode step, `step_boundary()` before each; a newer version pushes `params` into the engine."""
         B = batch.batch_size[0]
@@ -184,8 +184,7 @@ class VLLMSampler:
             stats["dropped"] += self._complete(group, min_version)
         in_flight = {id(g): g for g, _ in self._queue}
         in_flight.update({id(g): g for g, _ in self._running.values()})
-        # carry_over=False admits only the groups this batch takes, so nothing outlives the call.
-        admit = None if carry_over else need - len(self._ready) - len(in_flight)
+        ahead = len(self._ready) + len(in_flight)  # groups admitted before the next one
         exhausted = False
 
         while len(self._ready) < need:
@@ -196,7 +195,8 @@ class VLLMSampler:
                 stats["updates"] += self._version_now is not None
                 self.push_weights(version)
             while len(self._running) < self.num_slots:
-                if not self._queue and not exhausted and (admit is None or admit > 0):
+                if not self._queue and not exhausted and may_admit(ahead, need, version, min_version, carry_over,
+                                                                    min_version_step):
                     try:
                         prompt_id, tokens = next(prompts)
                     except StopIteration:
@@ -207,7 +207,7 @@ class VLLMSampler:
                         group = _Group(self._order, prompt_id, tokens, group_size)
                         self._order += 1
                         self._queue.extend((group, j) for j in range(group_size))
-                        admit = None if admit is None else admit - 1
+                        ahead += 1
                 if not self._queue:
                     break
                 self._submit(*self._queue.popleft())

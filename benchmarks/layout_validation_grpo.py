@@ -1,0 +1,222 @@
+"""The layout planner against measured GRPO runs, sync and async: one sampler and one trainer, the two-pool system.
+
+    python benchmarks/layout_validation_grpo.py [--iterations 40] [--quick]
+
+The run is the default tiny-model GRPO of scripts/grpo_arith.py (heavy-tailed arithmetic, 16 prompts x 8 per
+batch); async is one collector process and the trainer, one torch thread each. Calibration, right before the runs,
+on the same machine, from the pieces the runs execute:
+- the sampler: sync `Sampler.fill`s of whole batches at each slot count, split into the time of starting a
+  sequence (`Sampler._start`: its prefill and bookkeeping, timed) and of a decode step (the rest, per step). The
+  step runs over all slots whatever number is busy (a fixed shape), so its latency curve is flat at that count;
+- the response lengths of those fills, as the empirical distribution;
+- the trainer's seconds per batch: `grpo.Learner.update` on a filled batch; sync adds the verifier's scoring (in
+  async the collector scores).
+The planner (closed form and simulator) gets only these and the settings. Each run's completions/s (charts/SPS,
+after its first two iterations) and mean sequence and token lags are compared with them. Writes
+benchmarks/results/<machine>/layout_validation_grpo.{json,md}; `--quick` runs two small settings into a temporary
+folder (a check that the script works, not a validation).
+"""
+
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import tyro
+
+from leanrl import layout
+from leanrl.algorithms import grpo, grpo_async
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import machine_info  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Bench:
+    iterations: int = 40
+    """batches per validation run"""
+    calib_fills: int = 8
+    """sync fills timed per slot count"""
+    calib_updates: int = 8
+    """trainer updates timed"""
+    quick: bool = False
+    """check that the script runs: two settings of 6 iterations, 2 fills and 2 updates timed, written to a
+    temporary folder (never over the committed results)"""
+    run_dir: str = "runs/layout_validation_grpo"
+    """where the runs and their shared warm start go"""
+    out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    """where the machine's results folder is (ignored with --quick)"""
+
+
+# (mode, slots, max_lag, update_epochs): sync generates then trains; pipelined is `--async` with one collector;
+# one update epoch makes the trainer about as fast as the sampler, so that both bounds are checked
+SETTINGS = [("sync", 64, 0, 2), ("sync", 32, 0, 2), ("pipelined", 64, 1, 2), ("pipelined", 64, 2, 2),
+            ("pipelined", 32, 4, 2), ("pipelined", 64, 2, 1), ("pipelined", 16, 2, 1)]
+QUICK = dict(iterations=6, calib_fills=2, calib_updates=2)
+
+
+def grpo_args(mode, slots, max_lag, epochs, iterations, run_dir):
+    base = grpo_async.Args(run_dir=run_dir, device="cpu", progress=False, log_every=1, checkpoint_every=0,
+                           num_slots=slots, update_epochs=epochs, exp_name=f"val_{mode}_{slots}_{max_lag}_{epochs}")
+    base = replace(base, total_timesteps=iterations * base.num_prompts * base.group_size)
+    if mode == "sync":
+        return base
+    return replace(base, async_=True, max_lag=max_lag, transport="processes", num_collectors=1)
+
+
+def calibrate_sampler(args, slots, fills):
+    """Seconds per decode step and per started sequence at `slots` slots, and the completion lengths sampled."""
+    task, model, tokenizer, _ = grpo.load_policy(args, CPU)
+    prompts = grpo.PromptStream(task, tokenizer, seed=-7)
+    sampler = grpo.make_sampler(model, tokenizer, args, num_slots=slots)
+    batch = sampler.make_batch(args.num_prompts * args.group_size)
+    started = [0.0]
+
+    def timed_start(*a, _start=sampler._start):
+        t0 = time.perf_counter()
+        _start(*a)
+        started[0] += time.perf_counter() - t0
+
+    sampler._start = timed_start
+    step_s, start_s, lengths = [], [], []
+    for i in range(fills + 1):  # the first fill is warm-up
+        started[0] = 0.0
+        stats = sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
+        if i:
+            step_s.append((stats["time_s"] - started[0]) / stats["decode_steps"])
+            start_s.append(started[0] / stats["prefills"])
+            lengths += batch["completion_length"].tolist()
+    return statistics.median(step_s), statistics.median(start_s), lengths
+
+
+def calibrate_trainer(args, updates):
+    """Seconds per batch of `Learner.update` (on a filled batch of the warm-started policy) and of the scoring."""
+    task, model, tokenizer, _ = grpo.load_policy(args, CPU)
+    learner = grpo.Learner(model, args, CPU, max_lag=args.max_lag)
+    sampler = grpo.make_sampler(model, tokenizer, args)
+    batch = sampler.make_batch(args.num_prompts * args.group_size)
+    sampler.fill(batch, grpo.PromptStream(task, tokenizer, seed=-8), group_size=args.group_size, carry_over=False)
+    update_s, score_s = [], []
+    for _ in range(updates + 1):
+        t0 = time.perf_counter()
+        host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
+        rewards = grpo.score(task, tokenizer, host, -8)
+        t1 = time.perf_counter()
+        learner.update(batch, rewards, 0)
+        update_s.append(time.perf_counter() - t1)
+        score_s.append(t1 - t0)
+    return statistics.median(update_s[1:]), statistics.median(score_s[1:])
+
+
+def planner_setup(mode, slots, max_lag, cal, args):
+    train_s = cal["update_s"] + (cal["score_s"] if mode == "sync" else 0.0)
+    return layout.Setup(total_gpus=1 if mode == "sync" else 2, model=layout.Model(1e4, 1, 1, 1),
+                        gpu=layout.GPUS["CPU"], lengths=layout.Lengths("empirical", values=tuple(cal["lengths"])),
+                        batch=args.num_prompts * args.group_size, group_size=args.group_size, max_lag=max_lag,
+                        mode=mode, train_step_s=train_s, pause_s=0.0, prefill_s=cal["start_s"],
+                        latency=layout.LatencyCurve((slots,), (cal["step_s"],)))
+
+
+def hist_mean(rows, prefix):
+    keys = sorted((k for k in rows[0] if k.startswith(prefix)), key=lambda k: int(k.rsplit("_", 1)[1]))
+    counts = [sum(r[k] for r in rows) for k in keys]
+    return sum(i * c for i, c in enumerate(counts)) / max(sum(counts), 1)
+
+
+def measured_run(args):
+    t0 = time.perf_counter()
+    (grpo_async.train if args.async_ else grpo.train)(args)
+    wall = time.perf_counter() - t0
+    path = sorted(glob.glob(f"{args.run_dir}/*__{args.exp_name}__*"))[-1]
+    rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
+    steady = rows[2:]  # SPS counts from the end of iteration 2: the lags over the same batches
+    return dict(sps=rows[-1]["charts/SPS"], seq_lag=hist_mean(steady, "lag/sequence_hist_"),
+                token_lag=hist_mean(steady, "lag/token_hist_"), wall_s=wall,
+                trainer_idle=rows[-1].get("async/trainer_idle_frac"),
+                collector_idle=rows[-1].get("async/collector_idle_frac"),
+                dropped=statistics.fmean(r["perf/dropped"] for r in steady) if args.async_ else 0.0)
+
+
+def main(b: Bench):
+    settings = [SETTINGS[0], SETTINGS[3]] if b.quick else SETTINGS
+    if b.quick:
+        tmp = tempfile.mkdtemp(prefix="layout_validation_grpo_quick_")
+        b = replace(b, **QUICK, out_dir=tmp, run_dir=os.path.join(tmp, "runs"))
+    out = os.path.join(b.out_dir, machine_info(CPU)["slug"])
+    os.makedirs(out, exist_ok=True)
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    results, t_calib = [], 0.0
+    for mode, slots, max_lag, epochs in settings:
+        run_args = grpo_args(mode, slots, max_lag, epochs, b.iterations, b.run_dir)
+        t0 = time.perf_counter()  # calibrated right before its run: the speed of shared cores drifts
+        step_s, start_s, lengths = calibrate_sampler(run_args, slots, b.calib_fills)
+        update_s, score_s = calibrate_trainer(run_args, b.calib_updates)
+        cal = dict(step_s=step_s, start_s=start_s, lengths=lengths, update_s=update_s, score_s=score_s)
+        t_calib += time.perf_counter() - t0
+        s = planner_setup(mode, slots, max_lag, cal, run_args)
+        pred = layout.predict(s, 1, slots)
+        sim = layout.simulate(s, 1, slots, steps=300, warmup=20)
+        m = measured_run(run_args)
+        row = dict(mode=mode, slots=slots, max_lag=max_lag, update_epochs=epochs, step_s=step_s, start_s=start_s,
+                   mean_length=statistics.fmean(lengths), update_s=update_s, train_s=s.train_step_s,
+                   bound=pred.bound, measured_sps=m["sps"], model_sps=pred.seqs_per_s, sim_sps=sim.seqs_per_s,
+                   measured_lag=m["seq_lag"], model_lag=pred.lag_mean, sim_lag=sim.lag_mean,
+                   measured_token_lag=m["token_lag"], model_token_lag=pred.token_lag_mean,
+                   sim_token_lag=sim.token_lag_mean, measured_trainer_idle=m["trainer_idle"],
+                   model_trainer_idle=pred.trainer_idle, measured_collector_idle=m["collector_idle"],
+                   model_collector_idle=pred.sampler_idle, restarted_per_batch=m["dropped"], wall_s=m["wall_s"])
+        for who in ("model", "sim"):
+            row[f"{who}_sps_err"] = row[f"{who}_sps"] / row["measured_sps"] - 1
+            row[f"{who}_lag_err"] = row[f"{who}_lag"] - row["measured_lag"]
+        results.append(row)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    info = dict(machine=machine_info(CPU), load_before=load_before, load_after=os.getloadavg(),
+                calibration_s=t_calib, total_s=time.perf_counter() - t_start, iterations=b.iterations,
+                results=results)
+    with open(os.path.join(out, "layout_validation_grpo.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    md = table(info)
+    with open(os.path.join(out, "layout_validation_grpo.md"), "w") as f:
+        f.write(md)
+    print(md + f"written to {out}")
+
+
+def table(info) -> str:
+    def idle(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = [f"Planner vs measured GRPO (tiny model, heavy-tailed arithmetic, 16 prompts x 8 per batch, "
+             f"{info['iterations']} batches per run; async: one collector process, one torch thread each). "
+             f"Each setting calibrated right before its run ({info['calibration_s']:.0f} s in all); whole script "
+             f"{info['total_s']:.0f} s. Load average (1/5/15 min) before "
+             f"{tuple(round(x, 1) for x in info['load_before'])}, after "
+             f"{tuple(round(x, 1) for x in info['load_after'])} on {info['machine']['cores']} cores.", "",
+             "| mode | slots | max_lag | epochs | decode step ms | start ms | mean length | train s | bound | measured seqs/s | model (err) | "
+             "simulator (err) | measured lag | model lag (err) | sim lag (err) | token lag meas / model / sim | "
+             "trainer idle meas / model | sampler idle meas / model | restarted per batch |",
+             "|---" * 19 + "|"]
+    for r in info["results"]:
+        lines.append(
+            f"| {r['mode']} | {r['slots']} | {r['max_lag']} | {r['update_epochs']} | {r['step_s'] * 1e3:.2f} | {r['start_s'] * 1e3:.2f} | "
+            f"{r['mean_length']:.2f} | {r['train_s']:.3f} | "
+            f"{r['bound']} | {r['measured_sps']:.0f} | {r['model_sps']:.0f} ({r['model_sps_err']:+.1%}) | "
+            f"{r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | {r['measured_lag']:.2f} | {r['model_lag']:.2f} "
+            f"({r['model_lag_err']:+.2f}) | {r['sim_lag']:.2f} ({r['sim_lag_err']:+.2f}) | "
+            f"{r['measured_token_lag']:.2f} / {r['model_token_lag']:.2f} / {r['sim_token_lag']:.2f} | "
+            f"{idle(r['measured_trainer_idle'])} / {r['model_trainer_idle']:.2f} | "
+            f"{idle(r['measured_collector_idle'])} / {r['model_collector_idle']:.2f} | "
+            f"{r['restarted_per_batch']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Bench))
