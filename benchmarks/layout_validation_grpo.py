@@ -3,16 +3,19 @@
     python benchmarks/layout_validation_grpo.py [--iterations 40] [--quick]
 
 The run is the default tiny-model GRPO of scripts/grpo_arith.py (heavy-tailed arithmetic, 16 prompts x 8 per
-batch); async is one collector process and the trainer, one torch thread each. Calibration, right before the runs,
-on the same machine, from the pieces the runs execute:
-- the sampler: sync `Sampler.fill`s of whole batches at each slot count, split into the time of starting a
-  sequence (`Sampler._start`: its prefill and bookkeeping, timed) and of a decode step (the rest, per step). The
-  step runs over all slots whatever number is busy (a fixed shape), so its latency curve is flat at that count;
+batch); async is one collector process and the trainer, one torch thread each. Each setting is calibrated right
+before its run, on the same machine, from the pieces the run executes:
+- the sampler: sync `Sampler.fill`s of whole batches at the setting's slot count, split into the time of starting
+  a sequence (`Sampler._start`: its prefill or its group's cache copy, and bookkeeping, timed) and of a decode
+  step (the rest, per step). The step runs over all slots whatever number is busy (a fixed shape), so its
+  latency curve is flat at that count;
 - the response lengths of those fills, as the empirical distribution;
 - the trainer's seconds per batch: `grpo.Learner.update` on a filled batch; sync adds the verifier's scoring (in
   async the collector scores).
 The planner (closed form and simulator) gets only these and the settings. Each run's completions/s (charts/SPS,
-after its first two iterations) and mean sequence and token lags are compared with them. Writes
+after its first two iterations) and mean sequence and token lags are compared with them; so is the closed form
+given the update time the run itself logged, which separates the model's error from the drift of shared cores
+between the calibration and the run. Writes
 benchmarks/results/<machine>/layout_validation_grpo.{json,md}; `--quick` runs two small settings into a temporary
 folder (a check that the script works, not a validation).
 """
@@ -91,7 +94,7 @@ def calibrate_sampler(args, slots, fills):
         stats = sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
         if i:
             step_s.append((stats["time_s"] - started[0]) / stats["decode_steps"])
-            start_s.append(started[0] / stats["prefills"])
+            start_s.append(started[0] / (stats["prefills"] + stats["cache_copies"]))
             lengths += batch["completion_length"].tolist()
     return statistics.median(step_s), statistics.median(start_s), lengths
 
@@ -138,6 +141,7 @@ def measured_run(args):
     rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
     steady = rows[2:]  # SPS counts from the end of iteration 2: the lags over the same batches
     return dict(sps=rows[-1]["charts/SPS"], seq_lag=hist_mean(steady, "lag/sequence_hist_"),
+                update_s=statistics.median(r["perf/update_time"] for r in steady),
                 token_lag=hist_mean(steady, "lag/token_hist_"), wall_s=wall,
                 trainer_idle=rows[-1].get("async/trainer_idle_frac"),
                 collector_idle=rows[-1].get("async/collector_idle_frac"),
@@ -166,9 +170,12 @@ def main(b: Bench):
         pred = layout.predict(s, 1, slots)
         sim = layout.simulate(s, 1, slots, steps=300, warmup=20)
         m = measured_run(run_args)
+        # The same model given the update time the run itself logged: what is left is the model's own error
+        in_run = layout.predict(replace(s, train_step_s=s.train_step_s - update_s + m["update_s"]), 1, slots)
         row = dict(mode=mode, slots=slots, max_lag=max_lag, update_epochs=epochs, step_s=step_s, start_s=start_s,
                    mean_length=statistics.fmean(lengths), update_s=update_s, train_s=s.train_step_s,
                    bound=pred.bound, measured_sps=m["sps"], model_sps=pred.seqs_per_s, sim_sps=sim.seqs_per_s,
+                   run_update_s=m["update_s"], in_run_sps=in_run.seqs_per_s,
                    measured_lag=m["seq_lag"], model_lag=pred.lag_mean, sim_lag=sim.lag_mean,
                    measured_token_lag=m["token_lag"], model_token_lag=pred.token_lag_mean,
                    sim_token_lag=sim.token_lag_mean, measured_trainer_idle=m["trainer_idle"],
@@ -177,6 +184,7 @@ def main(b: Bench):
         for who in ("model", "sim"):
             row[f"{who}_sps_err"] = row[f"{who}_sps"] / row["measured_sps"] - 1
             row[f"{who}_lag_err"] = row[f"{who}_lag"] - row["measured_lag"]
+        row["in_run_sps_err"] = row["in_run_sps"] / row["measured_sps"] - 1
         results.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     info = dict(machine=machine_info(CPU), load_before=load_before, load_after=os.getloadavg(),
@@ -201,15 +209,16 @@ def table(info) -> str:
              f"{tuple(round(x, 1) for x in info['load_before'])}, after "
              f"{tuple(round(x, 1) for x in info['load_after'])} on {info['machine']['cores']} cores.", "",
              "| mode | slots | max_lag | epochs | decode step ms | start ms | mean length | train s | bound | measured seqs/s | model (err) | "
-             "simulator (err) | measured lag | model lag (err) | sim lag (err) | token lag meas / model / sim | "
+             "simulator (err) | run's update s | model on it (err) | measured lag | model lag (err) | sim lag (err) | token lag meas / model / sim | "
              "trainer idle meas / model | sampler idle meas / model | restarted per batch |",
-             "|---" * 19 + "|"]
+             "|---" * 21 + "|"]
     for r in info["results"]:
         lines.append(
             f"| {r['mode']} | {r['slots']} | {r['max_lag']} | {r['update_epochs']} | {r['step_s'] * 1e3:.2f} | {r['start_s'] * 1e3:.2f} | "
             f"{r['mean_length']:.2f} | {r['train_s']:.3f} | "
             f"{r['bound']} | {r['measured_sps']:.0f} | {r['model_sps']:.0f} ({r['model_sps_err']:+.1%}) | "
-            f"{r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | {r['measured_lag']:.2f} | {r['model_lag']:.2f} "
+            f"{r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | {r['run_update_s']:.3f} | {r['in_run_sps']:.0f} "
+            f"({r['in_run_sps_err']:+.1%}) | {r['measured_lag']:.2f} | {r['model_lag']:.2f} "
             f"({r['model_lag_err']:+.2f}) | {r['sim_lag']:.2f} ({r['sim_lag_err']:+.2f}) | "
             f"{r['measured_token_lag']:.2f} / {r['model_token_lag']:.2f} / {r['sim_token_lag']:.2f} | "
             f"{idle(r['measured_trainer_idle'])} / {r['model_trainer_idle']:.2f} | "

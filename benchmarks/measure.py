@@ -9,7 +9,7 @@ import re
 import statistics
 import subprocess
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -119,8 +119,15 @@ def machine_info(device) -> dict:
         slug = f"cpu-{cores}core-" + re.sub(r"[^a-z0-9]+", "-", model).strip("-")
     return dict(slug=slug, cpu=cpu, cores=cores, gpu=gpu, cuda=torch.version.cuda if gpu else None,
                 python=platform.python_version(), platform=platform.platform(),
-                **{pkg: version(pkg) for pkg in ("torch", "tensordict", "torchrl", "gymnasium")},
+                **{pkg: installed_version(pkg) for pkg in ("torch", "tensordict", "torchrl", "gymnasium")},
                 commit=git_commit())
+
+
+def installed_version(pkg: str) -> str | None:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:  # an optional extra (torchrl comes with leanrl[offpolicy])
+        return None
 
 
 def git_commit() -> str | None:

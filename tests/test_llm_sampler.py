@@ -130,7 +130,7 @@ def test_forward_equals_transformers(models, family):
     P, slot = 5, 1
     sampler.seq_tokens[slot, :P] = seq[:P]
     sampler.slot_index.fill_(slot)
-    sampler._prefill_prompt(sampler.slot_index)
+    sampler._prefill(sampler._prompt_length(P))(sampler.slot_index)
     for p in range(P - 1, len(seq)):
         last, pos = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
         last[slot], pos[slot] = seq[p], p
@@ -160,8 +160,10 @@ def test_sampled_logprobs_and_batch_layout(models):
     sampler = make_sampler(model, tok, temperature=0.8, top_p=0.9, top_k=12, seed=3)
     batch = sampler.make_batch(12)
     step = iter(range(1000))
-    sampler.fill(batch, iter(prompts_of(tok)), group_size=3, step_boundary=lambda: next(step) // 10,
-                 carry_over=False)
+    stats = sampler.fill(batch, iter(prompts_of(tok)), group_size=3, step_boundary=lambda: next(step) // 10,
+                         carry_over=False)
+    # Members of a group started with the same weights share its prompt's cache: the logprobs below hold for them.
+    assert stats["cache_copies"] > 0 and stats["prefills"] + stats["cache_copies"] == 12
     L = sampler.max_len
     for r, (pid, seq, P, C) in enumerate(rows(batch)):
         assert pid == r // 3 and C >= 1 and P + C <= L

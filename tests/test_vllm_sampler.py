@@ -181,3 +181,44 @@ def test_grpo_runs_on_the_vllm_sampler_within_the_lag_bound(mode, tmp_path):
     max_lag = 2 if mode else 0
     assert all(0 <= r["lag/token_min"] <= r["lag/token_max"] <= max_lag for r in rows)
     assert rows[-1]["charts/train_infer_mismatch"] < 1e-3  # vLLM's log-probs are the trainer's quantity
+
+
+def test_killing_the_engine_stops_the_run_with_a_clear_error(tmp_path):
+    """Async GRPO on vLLM with the engine in its own process (vLLM's EngineCore, under the collector): killed
+    mid-run, the trainer stops within seconds with an error naming the engine, no process of the run is left
+    behind, and the last checkpoint loads."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "grpo_arith.py"), "--sampler", "vllm", "--tiny-hidden", "128",
+           "--total-timesteps", "100000", "--sft-steps", "20", "--run-dir", str(tmp_path), "--no-progress",
+           "--log-every", "1", "--checkpoint-every", "1", "--async", "--max-lag", "2", "--num-collectors", "1",
+           "--transport", "processes"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine runs in a process of its own
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not any(len(open(m).readlines()) >= 2 for m in tmp_path.glob("*/metrics.jsonl")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no iteration logged in 300 s"
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        engines = [p for p in family if p.name() == "VLLM::EngineCore"]  # the collector's engine
+        assert len(engines) == 1, [(p.name(), p.ppid()) for p in family]
+        killed = time.monotonic()
+        engines[0].kill()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - killed < 30 and proc.returncode == 1
+    assert "the vLLM engine process (EngineCore) died" in err and "resume it from its last checkpoint" in err
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, alive
+    (checkpoint,) = tmp_path.glob("*/checkpoint.pt")
+    assert torch.load(checkpoint, weights_only=False)["iteration"] >= 1

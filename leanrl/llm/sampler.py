@@ -27,6 +27,7 @@ class _Group:
 
     def __init__(self, order, prompt_id, tokens, group_size):
         self.order, self.prompt_id, self.tokens, self.done = order, prompt_id, tokens, [None] * group_size
+        self.kv_slot, self.kv_version = None, None  # the slot whose prefill holds the prompt's cache, its version
 
 
 def may_admit(ahead: int, need: int, version: int, min_version: int, carry_over: bool, min_version_step: int):
@@ -44,8 +45,8 @@ class Sampler:
     def __init__(self, model, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
                  temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, compile=False, cudagraphs=False,
                  max_prompt_len: int | None = None, seed: int = 0):
-        """`max_prompt_len` (default `max_len - 1`): the fixed length prompts are padded to for prefill; a shorter
-        one makes prefill cheaper when prompts are short. `seed`: the sampler's own random generator (the noise
+        """`max_prompt_len` (default `max_len - 1`): the longest prompt accepted. A prompt is prefilled at its length
+        rounded up to a power of two (at least 8, at most max_prompt_len): one function per length used. `seed`: the sampler's own random generator (the noise
         of the Gumbel-max draw), so sampling does not depend on other users of torch's global generator."""
         config = model.config
         self.family = config.model_type
@@ -114,6 +115,7 @@ class Sampler:
         self.version = torch.zeros((), dtype=torch.long, device=device)
         self.noise = torch.ones(S, vocab, dtype=torch.float32, device=device)
         self.slot_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.source_index = torch.zeros(1, dtype=torch.long, device=device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._arange_s = torch.arange(S, device=device)
@@ -125,9 +127,8 @@ class Sampler:
                 torch._dynamo.mark_static(buf)
         acc = dict(compile=compile, cudagraphs=cudagraphs, device=device)
         self._decode = accelerate(self.decode_step, name="decode_step", **acc)
-        self._prefill_prompt = accelerate(self._prefill_fn(max_prompt_len), name="prefill", **acc)
-        self._prefill_all = (self._prefill_prompt if max_prompt_len == max_len - 1 else
-                             accelerate(self._prefill_fn(max_len - 1), name="prefill_all", **acc))
+        self._acc, self._prefills = acc, {}
+        self._copy_cache = accelerate(self._copy_cache_fn, name="copy_cache", **acc)
 
         # Host-side scheduling state (Python ints only: no device reads besides `ended`, once per step).
         self._slot = [None] * S  # per slot: [group, member, prompt_length, generated, first_version]
@@ -197,6 +198,22 @@ class Sampler:
                 self.v_cache[i].index_copy_(0, slot, F.pad(v, pad)[None])
                 x = self._mlp_residual(w, x, self._attend(q, k, v, causal))
         return prefill
+
+    def _prefill(self, length):
+        """The prefill of positions [0, length), accelerated once per length."""
+        if length not in self._prefills:
+            self._prefills[length] = accelerate(self._prefill_fn(length), name=f"prefill_{length}", **self._acc)
+        return self._prefills[length]
+
+    def _prompt_length(self, P):
+        return min(max(1 << (P - 1).bit_length(), 8), self.max_prompt_len)
+
+    def _copy_cache_fn(self, source, slot):
+        """The cache of `source` into `slot`: a group's members share their prompt's keys and values. Positions
+        past the prompt hold the source's own tokens; the slot overwrites each before it can see it."""
+        for k, v in zip(self.k_cache, self.v_cache):
+            k.index_copy_(0, slot, k.index_select(0, source))
+            v.index_copy_(0, slot, v.index_select(0, source))
 
     def logits(self, tokens, positions):
         """Logits of one token per slot at its position, writing its key/value into the cache."""
@@ -269,18 +286,29 @@ class Sampler:
             raise ValueError(f"prompt_id {prompt_id}: token ids outside the model's vocabulary [0, {self.vocab_size})"
                              " (vocabulary mismatch between tokenizer and model?)")
 
-    def _start(self, s, group, member):
-        """Put a queued sequence into free slot s: its token row, then the prefill of its cache."""
+    def _start(self, s, group, member) -> bool:
+        """Put a queued sequence into free slot s: its token row, then its prompt's cache, copied from the slot
+        of a member of its group still running on the prompt prefilled with the same weights, else prefilled
+        (and that slot becomes the group's source). Returns whether it prefilled."""
         P = len(group.tokens)
         row = torch.full((self.max_len,), self.pad_token_id, dtype=torch.long)
         row[:P] = torch.tensor(group.tokens)
         self.seq_tokens[s].copy_(row)
         self.slot_index.fill_(s)
-        self._prefill_prompt(self.slot_index)
+        src = group.kv_slot
+        share = (src is not None and self._slot[src] is not None and self._slot[src][0] is group
+                 and group.kv_version == self._version_now)
+        if share:
+            self.source_index.fill_(src)
+            self._copy_cache(self.source_index, self.slot_index)
+        else:
+            self._prefill(self._prompt_length(P))(self.slot_index)
+            group.kv_slot, group.kv_version = s, self._version_now
         self.pos[s] = P - 1
         self.last[s] = group.tokens[-1]
         self.active[s] = True
         self._slot[s] = [group, member, P, 0, None]
+        return not share
 
     def _release(self, s):
         self.active[s] = False
@@ -331,7 +359,7 @@ class Sampler:
         need = B // group_size
         prompts = iter(prompts)
         t0 = time.perf_counter()
-        stats = dict(decode_steps=0, dropped=0, busy=0, prefills=0, recomputes=0)
+        stats = dict(decode_steps=0, dropped=0, busy=0, prefills=0, cache_copies=0, recomputes=0)
 
         # Carried over from the previous call: restart what the new min_version forbids.
         for s, slot in enumerate(self._slot):
@@ -357,7 +385,7 @@ class Sampler:
                 for s, slot in enumerate(self._slot):
                     if slot is not None:
                         self.slot_index.fill_(s)
-                        self._prefill_all(self.slot_index)
+                        self._prefill(self.max_len - 1)(self.slot_index)
                         stats["recomputes"] += 1
             for s in range(self.num_slots):
                 if self._slot[s] is not None:
@@ -377,8 +405,8 @@ class Sampler:
                         ahead += 1
                 if not self._queue:
                     break
-                self._start(s, *self._queue.popleft())
-                stats["prefills"] += 1
+                prefilled = self._start(s, *self._queue.popleft())
+                stats["prefills" if prefilled else "cache_copies"] += 1
             busy = [s for s in range(self.num_slots) if self._slot[s] is not None]
             if not busy:
                 break  # prompts ran out: the batch keeps fewer groups (stats["groups"])
@@ -402,6 +430,7 @@ class Sampler:
         return dict(sampled_tokens=float(stats["busy"]), decode_steps=float(stats["decode_steps"]),
                     dropped=float(stats["dropped"]), slot_utilization=stats["busy"] / (steps * self.num_slots),
                     time_s=time.perf_counter() - t0, groups=float(len(groups)), prefills=float(stats["prefills"]),
+                    cache_copies=float(stats["cache_copies"]),
                     recomputes=float(stats["recomputes"]))
 
     def _write(self, batch, groups, group_size):

