@@ -46,8 +46,9 @@ class Sampler:
                  temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, compile=False, cudagraphs=False,
                  max_prompt_len: int | None = None, seed: int = 0):
         """`max_prompt_len` (default `max_len - 1`): the longest prompt accepted. A prompt is prefilled at its length
-        rounded up to a power of two (at least 8, at most max_prompt_len): one function per length used. `seed`: the sampler's own random generator (the noise
-        of the Gumbel-max draw), so sampling does not depend on other users of torch's global generator."""
+        rounded up to a power of two (at least 8, at most max_prompt_len): one function per length used. `seed`:
+        the sampler's own random generator (the noise of the Gumbel-max draw), so sampling does not depend on other
+        users of torch's global generator."""
         config = model.config
         self.family = config.model_type
         if self.family not in FAMILIES:
@@ -205,7 +206,7 @@ class Sampler:
             self._prefills[length] = accelerate(self._prefill_fn(length), name=f"prefill_{length}", **self._acc)
         return self._prefills[length]
 
-    def _prompt_length(self, P):
+    def _prompt_length(self, P):  # the prefill length of a prompt of P tokens
         return min(max(1 << (P - 1).bit_length(), 8), self.max_prompt_len)
 
     def _copy_cache_fn(self, source, slot):
@@ -348,8 +349,8 @@ class Sampler:
         call; `carry_over=False` admits only this batch's groups, so none outlives the call. `min_version_step`: how
         much min_version rises from one call to the next (an async collector: the number of collectors); a group
         for a later call then starts only once its tokens will be recent enough there (`may_admit`); 0: admit
-        whenever a slot is free. If `prompts` runs
-        out, the batch holds stats["groups"] groups and its other rows are empty (no completion tokens)."""
+        whenever a slot is free. If `prompts` runs out, the batch holds stats["groups"] groups and its other rows
+        are empty (no completion tokens)."""
         B = batch.batch_size[0]
         if group_size < 1 or B % group_size:
             raise ValueError(f"batch of {B} sequences is not divisible by group_size={group_size}")
