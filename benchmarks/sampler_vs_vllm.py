@@ -1,5 +1,6 @@
 """The built-in sampler vs vLLM (leanrl.llm.VLLMSampler) on the same model, batch and settings: sampled tokens/s,
-time to first token, and the in-flight weight-update latency vs model size.
+time to first token, and the in-flight weight-update latency vs model size. The built-in sampler runs eager and
+compiled (`compile=True`).
 
     python benchmarks/sampler_vs_vllm.py [--models tiny 20m --num-slots 16 --num-sequences 64 --max-len 128]
 
@@ -93,6 +94,7 @@ def run_model(name: str, b: Bench) -> dict:
         model, _ = load_model(directory)
         num_params = sum(p.numel() for p in model.parameters())
         builtin = measure(Sampler(model, **common), tok, b)
+        compiled = measure(Sampler(model, compile=True, **common), tok, b)  # the warm-up fill compiles
         vllm = VLLMSampler(directory, params=from_module(model).data, **common)
         vllm_result = measure(vllm, tok, b)
 
@@ -111,8 +113,9 @@ def run_model(name: str, b: Bench) -> dict:
         params.update_(new)
         copies.append(time.perf_counter() - t0)
     vllm_result["weight_update_s"] = statistics.median(updates)
-    builtin["weight_update_s"] = statistics.median(copies)
-    return dict(model=MODELS[name], num_params=num_params, builtin=builtin, vllm=vllm_result)
+    builtin["weight_update_s"] = compiled["weight_update_s"] = statistics.median(copies)
+    return dict(model=MODELS[name], num_params=num_params, builtin=builtin, builtin_compiled=compiled,
+                vllm=vllm_result)
 
 
 def main(b: Bench):
@@ -137,13 +140,13 @@ def write(b: Bench, results: dict, load: list, vllm_version: str):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "sampler_vs_vllm.json"), "w") as f:
         json.dump(out, f, indent=1)
-    lines = [f"# Built-in sampler (eager) vs vLLM {vllm_version} on {machine['cpu']} ({machine['cores']} "
+    lines = [f"# Built-in sampler (eager and compiled) vs vLLM {vllm_version} on {machine['cpu']} ({machine['cores']} "
              f"cores), 1-min load average {min(load):.1f}-{max(load):.1f} (shared machine)", "",
              f"{b.num_sequences} sequences in groups of 4, {b.num_slots} slots, max_len {b.max_len}, temperature 1.",
              "", "| model | params | sampler | tokens/s | time to first token (s) | weight update (s) |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        for kind in ("builtin", "vllm"):
+        for kind in ("builtin", "builtin_compiled", "vllm"):
             m = r[kind]
             lines.append(f"| {name} | {r['num_params'] / 1e6:.1f}M | {kind} | {m['tokens_per_s']:.0f} | "
                          f"{m['time_to_first_token_s']:.3f} | {m['weight_update_s']:.4f} |")
