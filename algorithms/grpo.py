@@ -5,10 +5,13 @@ Read top to bottom: `Args`; the math (advantages, token weights, the three losse
 (fixed-shape micro-batches, gradient accumulation, compiled and CUDA-graphed through `leanrl.accelerate`); the
 model and its supervised warm start; the loop (`train`). The async variant (`grpo_async.py`) imports this math.
 
-Depends on: leanrl (accelerate, make_adam, Logger, checkpoints, leanrl.llm's models and Sampler), torch,
-tensordict, transformers, tqdm; a task with `problem(index, seed)` and `score(problem, text)` (envs/llm_tasks.py).
+Depends on: leanrl (accelerate, make_adam, Logger, checkpoints, DataParallel under torchrun, leanrl.llm's models
+and Sampler), torch, tensordict, transformers, tqdm; a task with `problem(index, seed)` and `score(problem, text)`
+(envs/llm_tasks.py).
 """
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict, from_module
 
 import leanrl
+from leanrl.data_parallel import DataParallel
 from leanrl.envs.llm_tasks import TASKS, make_task
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
@@ -110,15 +114,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool, eps: f
     return adv.reshape(-1), live.reshape(-1)
 
 
-def token_weights(completion_mask: torch.Tensor, seq_weight: torch.Tensor, aggregation: str) -> torch.Tensor:
+def token_weights(completion_mask: torch.Tensor, seq_weight: torch.Tensor, aggregation: str,
+                  total=lambda x: x) -> torch.Tensor:
     """Weight of each token's loss [B, L], so that the batch loss is `(token_loss * weights).sum()`: a sum over
-    micro-batches, which is what gradient accumulation adds up, whatever the aggregation."""
+    micro-batches, which is what gradient accumulation adds up, whatever the aggregation. `total`: the sum of a
+    normaliser over the data-parallel ranks' shares of the batch (`DataParallel.total`)."""
     m = completion_mask.float() * seq_weight[:, None]
     if aggregation == "token_mean":
-        return m / m.sum().clamp(min=1)
+        return m / total(m.sum()).clamp(min=1)
     if aggregation == "sequence_mean":
-        return m / completion_mask.sum(1, keepdim=True).clamp(min=1) / seq_weight.sum().clamp(min=1)
-    return m / m.numel()  # "constant": batch * max_len (Dr. GRPO), the same normaliser for every batch
+        return m / completion_mask.sum(1, keepdim=True).clamp(min=1) / total(seq_weight.sum()).clamp(min=1)
+    # "constant": batch * max_len (Dr. GRPO), the same normaliser for every batch
+    return m / total(torch.tensor(float(m.numel()), device=m.device))
 
 
 def policy_loss(logp, behaviour, proximal, adv, args: Args):
@@ -193,8 +200,9 @@ class Learner:
     """The trainer's side of GRPO, shared by the sync and async loops: the model, its optimizer, the reference,
     and the accelerated phases."""
 
-    def __init__(self, model, args: Args, device, max_lag: int = 0):
+    def __init__(self, model, args: Args, device, max_lag: int = 0, data_parallel: DataParallel | None = None):
         self.model, self.args, self.device, self.max_lag = model, args, device, max_lag
+        self.data_parallel = data_parallel or DataParallel(device)
         self.reference = None
         if args.kl_coef > 0:
             self.reference = type(model)(model.config).to(device=device, dtype=model.dtype).eval()
@@ -219,7 +227,8 @@ class Learner:
         seq_weight = live.float() if args.mask_zero_variance else torch.ones_like(adv)
         mask = batch["completion_mask"]
         data = TensorDict(tokens=batch["tokens"], logprobs=batch["logprobs"], completion_mask=mask,
-                          advantages=adv, weights=token_weights(mask, seq_weight, args.aggregation),
+                          advantages=adv, weights=token_weights(mask, seq_weight, args.aggregation,
+                                                               self.data_parallel.total),
                           batch_size=batch.batch_size)
         data["proximal_logprobs"] = self._per_micro_batch(self.logprobs, data["tokens"])
         # Without a reference model, losses/kl measures how far the update moved from the pre-update policy.
@@ -233,7 +242,9 @@ class Learner:
                 mbs = data[minibatch]
                 for mb in mbs.split(args.micro_batch):
                     sums += self.micro_step(mb)
+                self.data_parallel.all_reduce_grads_(self.model.parameters())
                 grad_norm = self.optimizer_step()
+        sums = self.data_parallel.total(sums)  # token means over the whole batch, not over this rank's share
         metrics = dict(zip(UPDATE_METRICS, sums[:-1] / sums[-1].clamp(min=1)))
         metrics["losses/grad_norm"] = grad_norm
         metrics.update(batch_metrics(batch, data, rewards, live, version, args.group_size, self.max_lag))
@@ -357,19 +368,25 @@ def prepare_model(args: Args, task, device) -> str:
     return out
 
 
-def check_args(args: Args):
-    """Bad settings are clear errors, raised before anything is built or compiled."""
+def check_args(args: Args, world: int = 1):
+    """Bad settings are clear errors, raised before anything is built or compiled. `world`: data-parallel ranks,
+    each of which samples and trains on its own 1/world of every batch."""
     leanrl.check_flags(args, positive=("num_prompts", "max_len", "max_prompt_len", "num_slots", "learning_rate",
                                        "update_epochs", "num_minibatches", "max_grad_norm", "is_clip", "sft_batch",
                                        "sft_learning_rate"),
                        non_negative=("clip_low", "clip_high", "kl_coef", "sft_steps", "top_k"),
                        unit_interval=("top_p",))
     B = args.num_prompts * args.group_size
+    if args.num_prompts % world:
+        raise ValueError(f"--num-prompts {args.num_prompts}: must split evenly over the {world} data-parallel ranks "
+                         "torchrun started (every rank samples whole groups)")
     if args.group_size < 2:
         raise ValueError(f"--group-size {args.group_size}: a group-relative advantage needs at least 2 completions")
-    if args.micro_batch < 1 or B % (args.num_minibatches * args.micro_batch):
-        raise ValueError(f"--num-prompts x --group-size = {B} sequences must split into --num-minibatches "
-                         f"{args.num_minibatches} x whole micro-batches of --micro-batch {args.micro_batch}")
+    if args.micro_batch < 1 or B // world % (args.num_minibatches * args.micro_batch):
+        share = f" per rank (over {world} data-parallel ranks)" if world > 1 else ""
+        raise ValueError(f"--num-prompts x --group-size = {B // world} sequences{share} must split into "
+                         f"--num-minibatches {args.num_minibatches} x whole micro-batches of --micro-batch "
+                         f"{args.micro_batch}")
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
     if args.total_timesteps < B:
@@ -414,32 +431,41 @@ def restore(learner: Learner, state: dict):
 # ---------------------------------------------------------------------------- the loop
 def train(args: Args) -> dict:
     """Sync GRPO: the sampler shares the trainer's model (zero copy: an optimizer step is a weight update),
-    sample a batch, score it, update, log, checkpoint. Returns the last logged metrics."""
-    check_args(args)
-    device = leanrl.resolve_device(args.device)
+    sample a batch, score it, update, log, checkpoint. Returns the last logged metrics.
+    Under `torchrun --nproc-per-node N`, N data-parallel ranks (leanrl.data_parallel) each sample and train on
+    1/N of every batch with gradients summed over the ranks; rank 0 logs the world's metrics and checkpoints."""
+    check_args(args, DataParallel.torchrun_world())
+    data_parallel = DataParallel.from_torchrun(leanrl.resolve_device(args.device))
+    rank, world, device = data_parallel.rank, data_parallel.world, data_parallel.device
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    task, model, tokenizer, model_dir = load_policy(args, device)
-    learner = Learner(model, args, device)
-    sampler = make_sampler(model, tokenizer, args, model_dir)
+    # The first rank builds the warm-start cache, the others load it.
+    task, model, tokenizer, model_dir = data_parallel.in_turns(lambda: load_policy(args, device))
+    learner = Learner(model, args, device, data_parallel=data_parallel)
+    sampler = make_sampler(model, tokenizer, args, model_dir, seed=args.seed + rank)
     B = args.num_prompts * args.group_size
-    batch = sampler.make_batch(B)
-    prompts = PromptStream(task, tokenizer, args.seed)
+    batch = sampler.make_batch(B // world)
+    prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world)  # rank r: prompts r, r + N, ...
     num_iterations = args.total_timesteps // B
-    run_dir = leanrl.make_run_dir(args, f"grpo-{args.task}")
+    run_dir = data_parallel.broadcast_object(leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:
         state = leanrl.load_checkpoint(args.resume, args, may_change=("total_timesteps",))  # a constant lr
         restore(learner, state)
-        iteration, prompts.next_index = state["iteration"], state["next_prompt"]
+        iteration, prompts.next_index = state["iteration"], state["next_prompt"] + rank
 
     def state():
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration,
                     next_prompt=prompts.next_index)
 
-    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B,
-                                     checkpoint=checkpoint_path, return_metric="charts/reward_mean")
-    with logger, leanrl.save_on_interrupt(checkpoint_path, state, args):
+    # Rank r > 0 logs its own share under run_dir/rank<r> (its sample times show a straggler), quietly.
+    log_args = args if rank == 0 else dataclasses.replace(args, track=False, progress=False)
+    logger = leanrl.Logger.from_args(log_args, run_dir if rank == 0 else os.path.join(run_dir, f"rank{rank}"),
+                                     num_iterations * B, start_step=iteration * B, checkpoint=checkpoint_path,
+                                     return_metric="charts/reward_mean", summary=rank == 0)
+    # One checkpoint, rank 0's: the ranks' weights are equal.
+    interrupt = leanrl.save_on_interrupt(checkpoint_path, state, args) if rank == 0 else contextlib.nullcontext()
+    with logger, interrupt:
         while iteration < num_iterations:
             # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.
             stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=lambda: iteration,
@@ -454,12 +480,15 @@ def train(args: Args) -> dict:
                             "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,
                             "perf/slot_utilization": stats["slot_utilization"], "perf/sample_time": stats["time_s"],
                             "perf/update_time": update_time})
-            logger.record(metrics)
+            world_metrics = data_parallel.reduce_metrics(metrics)
+            logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
             logger.end_iteration(iteration * B)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
-            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(checkpoint_path, state(), args)
-        leanrl.save_checkpoint(checkpoint_path, state(), args)
+        if rank == 0:
+            leanrl.save_checkpoint(checkpoint_path, state(), args)
+    data_parallel.close()
     return logger.last

@@ -23,6 +23,7 @@ from tensordict import from_module
 import leanrl
 import leanrl.pipeline
 from leanrl.algorithms import grpo
+from leanrl.data_parallel import DataParallel
 from leanrl.pipeline import AsyncArgs, check_settings
 
 STATS = ("sampled_tokens", "time_s", "dropped", "slot_utilization")
@@ -40,6 +41,10 @@ class Args(grpo.Args, AsyncArgs):
 
 def check_args(args: Args):
     grpo.check_args(args)
+    if DataParallel.torchrun_world() > 1 and args.transport != "distributed":
+        raise ValueError(f"--async --transport {args.transport} under torchrun: every rank would run a whole run of "
+                         "its own; use --transport distributed (rank 0 trains, the others collect), or drop --async "
+                         "for data-parallel sync GRPO")
     check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
 
 

@@ -184,6 +184,37 @@ def test_compiled_update_equals_eager_after_k_steps():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation, tmp_path):
+    """Two gloo ranks, each updating on half of every batch (whole groups) with gradients summed over the ranks:
+    the weights and the update's metrics of one process on the whole batch (one minibatch, so every optimizer
+    step sees the same data)."""
+    import copy
+    import socket
+
+    import torch.multiprocessing as mp
+    from grpo_helpers import data_parallel_update
+    batch = _batch(B=16)
+    rewards = [torch.tensor([1.0, 0, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1]).roll(4 * k) for k in range(2)]
+    args = grpo.Args(group_size=4, num_prompts=4, micro_batch=4, num_minibatches=1, update_epochs=2, device="cpu",
+                     aggregation=aggregation, loss="decoupled", kl_coef=0.1)
+    model = _tiny_model()
+    single = copy.deepcopy(model)
+    learner = grpo.Learner(single, args, torch.device("cpu"))
+    for version, r in enumerate(rewards):
+        metrics = learner.update(batch, r, version)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(data_parallel_update, args=(2, port, model, batch, rewards, args, str(tmp_path)), nprocs=2)
+    (p0, m0), (p1, _) = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert torch.equal(p0, p1)  # the ranks' weights never part
+    torch.testing.assert_close(p0, _params(single), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(p0, _params(model))
+    for k in [*grpo.UPDATE_METRICS, "losses/grad_norm", "charts/reward_mean", "charts/zero_variance_groups"]:
+        torch.testing.assert_close(m0[k], metrics[k].float(), rtol=1e-5, atol=1e-6, msg=k)
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kw, message", [
     (dict(group_size=1), "--group-size 1"),
@@ -197,12 +228,17 @@ def test_bad_settings_fail_before_anything_is_built(kw, message, tmp_path):
     assert not (tmp_path / "warm_start").exists()  # nothing built, nothing compiled
 
 
-def test_async_bad_settings_are_clear_errors(tmp_path):
+def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
     from leanrl.algorithms import grpo_async
     with pytest.raises(ValueError, match="--deterministic needs --transport processes"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
     with pytest.raises(ValueError, match=r"--max-lag -1"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks
+    with pytest.raises(ValueError, match="--transport distributed"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, transport="processes"))
+    with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
+        grpo.train(grpo.Args(run_dir=str(tmp_path), num_prompts=3, group_size=4, micro_batch=2))
 
 
 def test_a_model_directory_missing_files_fails_before_any_compile(tmp_path):
@@ -342,3 +378,39 @@ def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
     rows, path = _rows(run_dir, f"script{len(flags)}")
     assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
     assert os.path.isfile(f"{path}/checkpoint.pt")
+
+
+def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
+    """`torchrun --nproc-per-node 2 scripts/grpo_arith.py`, as a user runs it: two gloo ranks sample disjoint
+    shares of every batch's prompts and train one model; rank 0 logs the world's metrics and checkpoints, rank 1
+    logs its own share under rank1/; `--resume` goes on where the run stopped."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                os.path.join(root, "scripts", "grpo_arith.py"), "--num-prompts", "8", "--group-size", "4",
+                "--micro-batch", "4", "--sft-steps", "20", "--sft-batch", "16", "--run-dir", str(tmp_path),
+                "--no-progress", "--log-every", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(torchrun + ["--total-timesteps", "64"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, path = _rows(tmp_path, "grpo_arith")
+    assert [r["global_step"] for r in rows] == [32, 64] and all(k in rows[-1] for k in METRICS)
+    rank1 = [json.loads(line) for line in open(f"{path}/rank1/metrics.jsonl")]
+    assert [r["global_step"] for r in rank1] == [32, 64]
+    assert proc.stdout.count("checkpoint:") == 1  # one summary, rank 0's
+    # 8 prompts an iteration: rank 0 took 0, 2, 4, 6, then 8, ..., 14; rank 1 the odd ones.
+    assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["next_prompt"] == 16
+
+    proc = subprocess.run(torchrun + ["--total-timesteps", "96", "--resume", f"{path}/checkpoint.pt"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, _ = _rows(tmp_path, "grpo_arith")
+    assert [r["global_step"] for r in rows] == [32, 64, 96]
+    assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["next_prompt"] == 24

@@ -1,0 +1,95 @@
+"""Data-parallel training over torchrun's ranks: every rank holds the whole model, samples and trains on its own
+share of each batch, and the ranks' gradients are summed before every optimizer step (what DDP does at the end of
+a `no_sync` gradient accumulation), so an update equals one process's update on the whole batch when the loss is
+normalised by whole-batch totals (`total`). The all-reduce runs between the compiled (and captured) functions,
+in place on the gradients they read, so nothing is recompiled or recaptured.
+
+Launch: `torchrun --nproc-per-node N script.py ...` (rank r of a node on GPU r; NCCL for CUDA tensors, gloo for
+CPU ones). Without torchrun, `from_torchrun` is a world of one and nothing is communicated.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+# Metrics that add up over the ranks' shares of a batch (counts, throughputs); `*_max`/`*_min` take the extreme,
+# every other metric is the mean over ranks.
+SUMMED = ("lag/token_hist_", "lag/sequence_hist_", "charts/zero_variance_groups", "perf/sampled_tokens_per_s",
+          "perf/trained_tokens_per_s")
+
+
+class DataParallel:
+    def __init__(self, device: torch.device, world: int = 1, rank: int = 0):
+        self.device, self.world, self.rank = device, world, rank
+
+    @staticmethod
+    def torchrun_world() -> int:
+        """How many ranks torchrun started (1 without torchrun), known before joining them."""
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @classmethod
+    def from_torchrun(cls, device: torch.device) -> "DataParallel":
+        """The ranks torchrun started (joined here), or a world of one. On CUDA, `device` becomes this rank's GPU."""
+        world = cls.torchrun_world()
+        if world == 1:
+            return cls(device)
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        return cls(device, world, dist.get_rank())
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (a new tensor)."""
+        if self.world == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    def all_reduce_grads_(self, params) -> None:
+        """Sum the ranks' gradients, in place, in one flat all-reduce."""
+        if self.world == 1:
+            return
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    def reduce_metrics(self, metrics: dict) -> dict:
+        """The world's metrics from each rank's (device tensors or numbers): summed, extreme or mean, by name."""
+        if self.world == 1:
+            return metrics
+        names = list(metrics)
+        values = torch.stack([torch.as_tensor(metrics[k], device=self.device).float().reshape(()) for k in names])
+        total, high, low = values.clone(), values.clone(), values.clone()
+        dist.all_reduce(total)
+        dist.all_reduce(high, dist.ReduceOp.MAX)
+        dist.all_reduce(low, dist.ReduceOp.MIN)
+        return {k: high[i] if k.endswith("_max") else low[i] if k.endswith("_min")
+                else total[i] if k.startswith(SUMMED) else total[i] / self.world for i, k in enumerate(names)}
+
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank (e.g. a run directory named after rank 0's clock)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def in_turns(self, fn):
+        """`fn()` on rank 0, then on each other node's first rank, then on the rest, a barrier between turns:
+        the first to run builds a cache on its disk (a shared one, or its node's), the later ones load it."""
+        turn = 0 if self.rank == 0 else 1 if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 2
+        for t in range(3):
+            if t == turn:
+                result = fn()
+            if self.world > 1:
+                dist.barrier()
+        return result
+
+    def close(self):
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
