@@ -159,6 +159,16 @@ def test_bad_input(setup, tmp_path):
         VLLMSampler(small, num_slots=2, max_len=8, eos_token_id=1, pad_token_id=0)
 
 
+def test_an_engine_in_this_process_under_torchrun_is_a_clear_error(setup, tmp_path, monkeypatch):
+    """Under torchrun (a data-parallel GRPO run, or collectors as ranks) vLLM's engine must run in a process of its
+    own: in-process it would adopt the ranks' process group."""
+    tok = setup[0]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0 under torchrun"):
+        VLLMSampler(save_tiny_model(str(tmp_path), tok, **TINY), num_slots=2, max_len=16,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -67,7 +67,12 @@ class VLLMSampler:
         `max_len - 1`): the longest prompt accepted, as the built-in sampler's. `engine_kwargs` go to
         `vllm.LLM` (e.g. `gpu_memory_utilization` on a GPU, with `kv_cache_memory_bytes=None`)."""
         vllm = _import_vllm()
+        from vllm import envs
         from vllm.platforms import current_platform
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 under torchrun: an engine in this process would take "
+                             "the ranks' process group as its own (and tear it down at exit); leave vLLM's engine in "
+                             "a process of its own")
         max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
         if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
             raise ValueError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
