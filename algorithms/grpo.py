@@ -428,6 +428,20 @@ def restore(learner: Learner, state: dict):
     leanrl.load_optimizer_state(learner.optimizer, state["optimizer"])
 
 
+def rank_logging(args: Args, run_dir: str, rank: int, total_steps: int, start_step: int, checkpoint_path: str,
+                 state_fn):
+    """The Logger and the save-on-interrupt guard of a data-parallel rank. Rank 0 logs the world's metrics in
+    run_dir and keeps the one checkpoint (the ranks' weights are equal); rank r > 0 logs its own share under
+    run_dir/rank<r> (its sample times show a straggler), quietly."""
+    if rank == 0:
+        return (leanrl.Logger.from_args(args, run_dir, total_steps, start_step=start_step, checkpoint=checkpoint_path,
+                                        return_metric="charts/reward_mean"),
+                leanrl.save_on_interrupt(checkpoint_path, state_fn, args))
+    quiet = dataclasses.replace(args, track=False, progress=False)
+    return (leanrl.Logger.from_args(quiet, os.path.join(run_dir, f"rank{rank}"), total_steps, start_step=start_step,
+                                    summary=False), contextlib.nullcontext())
+
+
 # ---------------------------------------------------------------------------- the loop
 def train(args: Args) -> dict:
     """Sync GRPO: the sampler shares the trainer's model (zero copy: an optimizer step is a weight update),
@@ -458,13 +472,7 @@ def train(args: Args) -> dict:
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration,
                     next_prompt=prompts.next_index)
 
-    # Rank r > 0 logs its own share under run_dir/rank<r> (its sample times show a straggler), quietly.
-    log_args = args if rank == 0 else dataclasses.replace(args, track=False, progress=False)
-    logger = leanrl.Logger.from_args(log_args, run_dir if rank == 0 else os.path.join(run_dir, f"rank{rank}"),
-                                     num_iterations * B, start_step=iteration * B, checkpoint=checkpoint_path,
-                                     return_metric="charts/reward_mean", summary=rank == 0)
-    # One checkpoint, rank 0's: the ranks' weights are equal.
-    interrupt = leanrl.save_on_interrupt(checkpoint_path, state, args) if rank == 0 else contextlib.nullcontext()
+    logger, interrupt = rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path, state)
     with logger, interrupt:
         while iteration < num_iterations:
             # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.

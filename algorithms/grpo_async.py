@@ -12,6 +12,7 @@ is bitwise reproducible whatever the speeds.
 Depends on: algorithms/grpo.py (its math, model and update), leanrl.pipeline, and what grpo.py depends on.
 """
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -40,11 +41,8 @@ class Args(grpo.Args, AsyncArgs):
 
 
 def check_args(args: Args):
-    grpo.check_args(args)
-    if DataParallel.torchrun_world() > 1 and args.transport != "distributed":
-        raise ValueError(f"--async --transport {args.transport} under torchrun: every rank would run a whole run of "
-                         "its own; use --transport distributed (rank 0 trains, the others collect), or drop --async "
-                         "for data-parallel sync GRPO")
+    # Under torchrun with threads/processes, the ranks are data-parallel trainers; with distributed, collectors.
+    grpo.check_args(args, 1 if args.transport == "distributed" else DataParallel.torchrun_world())
     check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
 
 
@@ -57,14 +55,17 @@ def batch_template(sampler, args: Args):
     return batch
 
 
-def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int):
-    """A collector role: its own model copy and Sampler; fills each admitted batch slot, scores it, sends it."""
+def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, first_stream: int = 0,
+                   num_streams: int | None = None):
+    """A collector role: its own model copy and Sampler; fills each admitted batch slot, scores it, sends it.
+    It reads prompt stream `first_stream + ctx.rank` of `num_streams` (default: one per collector)."""
     leanrl.seed_everything(args.seed + 1 + ctx.rank, args.torch_deterministic)
     task, model, tokenizer, _ = grpo.load_policy(args, device, model_dir)
     sampler = grpo.make_sampler(model, tokenizer, args, model_dir,
                                 recompute_kv=args.recompute_kv, seed=args.seed + 1 + ctx.rank)
-    # Collector r samples prompts offset + r, offset + r + n, ...: streams never overlap and are the same every run.
-    prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + ctx.rank, stride=args.num_collectors)
+    # Stream s is prompts offset + s, offset + s + n, ...: streams never overlap and are the same every run.
+    prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + first_stream + ctx.rank,
+                                stride=num_streams or args.num_collectors)
     for batch in ctx.batches(sampler.params, batch_template(sampler, args)):
         stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=ctx.step_boundary,
                              min_version=ctx.min_version, carry_over=not args.deterministic,
@@ -76,15 +77,22 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int):
 
 def train(args: Args, collector=grpo_collector) -> dict:
     """The trainer role: prepares the model (the collectors load the same directory), starts the collectors,
-    then consumes, updates, publishes, logs and checkpoints. Returns the last logged metrics."""
+    then consumes, updates, publishes, logs and checkpoints. Returns the last logged metrics.
+    Under `torchrun --nproc-per-node N` with `--transport threads` or `processes`, N data-parallel trainers
+    (as in grpo.train), each with its own `--num-collectors` filling its 1/N of every batch; rank 0 logs the
+    world's metrics and checkpoints. (With `--transport distributed` the ranks are one trainer and collectors.)"""
     check_args(args)
-    device = leanrl.resolve_device(args.device)
+    data_parallel = (DataParallel(leanrl.resolve_device(args.device)) if args.transport == "distributed" else
+                     DataParallel.from_torchrun(leanrl.resolve_device(args.device)))
+    rank, world, device = data_parallel.rank, data_parallel.world, data_parallel.device
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    task, model, tokenizer, model_dir = grpo.load_policy(args, device)
-    learner = grpo.Learner(model, args, device, max_lag=args.max_lag)
+    # The first rank builds the warm-start cache, the others load it.
+    task, model, tokenizer, model_dir = data_parallel.in_turns(lambda: grpo.load_policy(args, device))
+    learner = grpo.Learner(model, args, device, max_lag=args.max_lag, data_parallel=data_parallel)
     B = args.num_prompts * args.group_size
     num_iterations = args.total_timesteps // B
-    run_dir = leanrl.make_run_dir(args, f"grpo-{args.task}")
+    share = dataclasses.replace(args, num_prompts=args.num_prompts // world)  # what this rank's collectors fill
+    run_dir = data_parallel.broadcast_object(leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:  # the learner resumes exactly; collectors draw fresh prompts
@@ -97,14 +105,15 @@ def train(args: Args, collector=grpo_collector) -> dict:
 
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     # The batch layout is the same for every sampler: the cheapest one builds it.
-    template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), args)
-    logger = leanrl.Logger.from_args(args, run_dir, num_iterations * B, start_step=iteration * B,
-                                     checkpoint=checkpoint_path, return_metric="charts/reward_mean")
+    template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), share)
+    logger, interrupt = grpo.rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path,
+                                          state)
+    C = args.num_collectors
+    fn_args = (share, model_dir, collector_device, iteration * B, rank * C, world * C)
     sampled_tokens, t_start = 0.0, time.perf_counter()
-    with logger, leanrl.save_on_interrupt(checkpoint_path, state, args), leanrl.pipeline.start(
-            args.transport, args.num_collectors, collector, (args, model_dir, collector_device, iteration * B),
-            template, from_module(model).data, max_lag=args.max_lag, deterministic=args.deterministic,
-            publish_every=args.publish_every) as trainer:
+    with logger, interrupt, leanrl.pipeline.start(
+            args.transport, C, collector, fn_args, template, from_module(model).data, max_lag=args.max_lag,
+            deterministic=args.deterministic, publish_every=args.publish_every) as trainer:
         while iteration < num_iterations:
             batch = trainer.next_batch().to(device)
             t0 = time.perf_counter()
@@ -118,12 +127,15 @@ def train(args: Args, collector=grpo_collector) -> dict:
                             "perf/trained_tokens_per_s": float(batch["completion_length"].sum()) / update_time,
                             "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
                             "perf/update_time": update_time, **trainer.stats.summary()})
-            logger.record(metrics)
+            world_metrics = data_parallel.reduce_metrics(metrics)
+            logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
             logger.end_iteration(iteration * B)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
-            if args.checkpoint_every and iteration % args.checkpoint_every == 0:
+            if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(checkpoint_path, state(), args)
-        leanrl.save_checkpoint(checkpoint_path, state(), args)
+        if rank == 0:
+            leanrl.save_checkpoint(checkpoint_path, state(), args)
+    data_parallel.close()
     return logger.last

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 # Metrics that add up over the ranks' shares of a batch (counts, throughputs); `*_max`/`*_min` take the extreme,
 # every other metric is the mean over ranks.
-SUMMED = ("lag/token_hist_", "lag/sequence_hist_", "charts/zero_variance_groups", "perf/sampled_tokens_per_s",
-          "perf/trained_tokens_per_s")
+SUMMED = ("lag/token_hist_", "lag/sequence_hist_", "async/lag_hist_", "charts/zero_variance_groups",
+          "perf/sampled_tokens_per_s", "perf/trained_tokens_per_s")
 
 
 class DataParallel:

@@ -235,8 +235,9 @@ def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--max-lag -1"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks
-    with pytest.raises(ValueError, match="--transport distributed"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, transport="processes"))
+    with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, num_prompts=3, group_size=4,
+                                         micro_batch=2))
     with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
         grpo.train(grpo.Args(run_dir=str(tmp_path), num_prompts=3, group_size=4, micro_batch=2))
 
@@ -414,3 +415,33 @@ def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     rows, _ = _rows(tmp_path, "grpo_arith")
     assert [r["global_step"] for r in rows] == [32, 64, 96]
     assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["next_prompt"] == 24
+
+
+def test_async_data_parallel_trainers_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 scripts/grpo_arith.py --async --transport processes`: two data-parallel
+    trainers, each with a collector process of its own filling its half of every batch; the lag bound holds on
+    every rank, rank 0 logs the world and checkpoints."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           os.path.join(root, "scripts", "grpo_arith.py"), "--async", "--max-lag", "2", "--num-collectors", "1",
+           "--transport", "processes", "--num-prompts", "8", "--group-size", "4", "--micro-batch", "4",
+           "--sft-steps", "20", "--sft-batch", "16", "--total-timesteps", "160", "--run-dir", str(tmp_path),
+           "--no-progress", "--log-every", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, path = _rows(tmp_path, "grpo_arith")
+    rank1 = [json.loads(line) for line in open(f"{path}/rank1/metrics.jsonl")]
+    for log in (rows, rank1):
+        assert [r["global_step"] for r in log] == [32, 64, 96, 128, 160]
+        assert all(0 <= r["lag/token_min"] <= r["lag/token_max"] <= 2 for r in log)
+    world_tokens, own_tokens = (sum(r[-1][f"lag/token_hist_{k}"] for k in range(3)) for r in (rows, rank1))
+    assert world_tokens > own_tokens > 0  # rank 0 logs both ranks' tokens, rank 1 its own
+    assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["iteration"] == 5
