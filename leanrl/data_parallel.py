@@ -53,7 +53,7 @@ class DataParallel:
         """Sum the ranks' gradients, in place, in one flat all-reduce."""
         if self.world == 1:
             return
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])

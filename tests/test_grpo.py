@@ -184,13 +184,19 @@ def test_compiled_update_equals_eager_after_k_steps():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation, tmp_path):
     """Two gloo ranks, each updating on half of every batch (whole groups) with gradients summed over the ranks:
     the weights and the update's metrics of one process on the whole batch (one minibatch, so every optimizer
     step sees the same data)."""
     import copy
-    import socket
 
     import torch.multiprocessing as mp
     from grpo_helpers import data_parallel_update
@@ -203,9 +209,7 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
     learner = grpo.Learner(single, args, torch.device("cpu"))
     for version, r in enumerate(rewards):
         metrics = learner.update(batch, r, version)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     mp.spawn(data_parallel_update, args=(2, port, model, batch, rewards, args, str(tmp_path)), nprocs=2)
     (p0, m0), (p1, _) = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(p0, p1)  # the ranks' weights never part
@@ -387,13 +391,10 @@ def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     logs its own share under rank1/; `--resume` goes on where the run stopped."""
     import json
     import os
-    import socket
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                 os.path.join(root, "scripts", "grpo_arith.py"), "--num-prompts", "8", "--group-size", "4",
                 "--micro-batch", "4", "--sft-steps", "20", "--sft-batch", "16", "--run-dir", str(tmp_path),
@@ -423,13 +424,10 @@ def test_async_data_parallel_trainers_under_torchrun(tmp_path):
     every rank, rank 0 logs the world and checkpoints."""
     import json
     import os
-    import socket
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            os.path.join(root, "scripts", "grpo_arith.py"), "--async", "--max-lag", "2", "--num-collectors", "1",
            "--transport", "processes", "--num-prompts", "8", "--group-size", "4", "--micro-batch", "4",
