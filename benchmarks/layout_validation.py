@@ -2,9 +2,10 @@
 
     python benchmarks/layout_validation.py [--total-timesteps 24000] [--quick]
 
-Calibration, right before the runs, on the same machine: (1) a collector's rollout time, measured on one
-collector alone with the slow env of the setting (`ppo.rollout`: policy, env and sleep overshoot included), as an
-empirical distribution; (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its
+Calibration, right before the runs, on the same machine: (1) a collector's rollout time with the slow env of the
+setting (`ppo.rollout`: policy, env and sleep overshoot included), as an empirical distribution, measured with as
+many collector processes rolling out at once as the setting runs (on a CPU they share the cores; with this env,
+which mostly sleeps, that moved the mean by less than 2 % from a lone collector's); (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its
 pieces: GAE, the flat batch, the proximal log-probs and the update epochs of `ppo_async.make_update`) on a real
 collected batch. The planner (closed form and simulator) gets only those and the settings; each run's
 (`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are compared.
@@ -14,6 +15,7 @@ temporary folder (a check that the script works, not a validation).
 
 import functools
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -44,7 +46,7 @@ class Bench:
     total_timesteps: int = 24_000
     """env steps per validation run"""
     calib_rollouts: int = 40
-    """rollouts timed per env setting for the collector calibration"""
+    """rollouts timed per collector process and setting for the collector calibration"""
     calib_updates: int = 15
     """trainer iterations timed per update_epochs value"""
     quick: bool = False
@@ -81,10 +83,11 @@ def collector_rollout(args, envs, seed):
     return functools.partial(ppo.rollout, act, agent.get_value, next_obs, storage, args), storage
 
 
-def rollout_times(median_ms, sigma, n):
-    """A lone collector's rollout durations (s) with this env (its first two are warm-up, dropped)."""
-    envs = make_slow_env(ENV_ID, 8, median_ms, sigma, seed=7)
-    rollout, _ = collector_rollout(ppo_args(1, 1, 1, 256), envs, seed=7)
+def rollout_times(median_ms, sigma, n, seed=7):
+    """A collector's rollout durations (s) with this env (its first two are warm-up, dropped)."""
+    torch.set_num_threads(1)  # as a collector process (leanrl.pipeline)
+    envs = make_slow_env(ENV_ID, 8, median_ms, sigma, seed=seed)
+    rollout, _ = collector_rollout(ppo_args(1, 1, 1, 256), envs, seed=seed)
     out = []
     for _ in range(n + 2):
         t0 = time.perf_counter()
@@ -92,6 +95,13 @@ def rollout_times(median_ms, sigma, n):
         out.append(time.perf_counter() - t0)
     envs.close()
     return out[2:]
+
+
+def concurrent_rollout_times(collectors, median_ms, sigma, n):
+    """The rollout durations of `collectors` processes rolling out at once, `n` each (pooled)."""
+    with multiprocessing.get_context("spawn").Pool(collectors) as pool:
+        runs = pool.starmap(rollout_times, [(median_ms, sigma, n, 7 + c) for c in range(collectors)])
+    return [d for run in runs for d in run]
 
 
 def trainer_time(epochs, n):
@@ -157,9 +167,10 @@ def main(b: Bench):
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     calib_roll, calib_train = {}, {}
-    for _, _, epochs, median_ms, sigma in settings:
-        if (median_ms, sigma) not in calib_roll:
-            calib_roll[(median_ms, sigma)] = rollout_times(median_ms, sigma, b.calib_rollouts)
+    for collectors, _, epochs, median_ms, sigma in settings:
+        if (collectors, median_ms, sigma) not in calib_roll:
+            calib_roll[(collectors, median_ms, sigma)] = concurrent_rollout_times(collectors, median_ms, sigma,
+                                                                                  b.calib_rollouts)
         if epochs not in calib_train:
             calib_train[epochs] = trainer_time(epochs, b.calib_updates)
     t_calib = time.perf_counter() - t_start
@@ -168,13 +179,14 @@ def main(b: Bench):
         f"{k} epochs: {v * 1e3:.1f} ms" for k, v in calib_train.items()), flush=True)
     results = []
     for collectors, max_lag, epochs, median_ms, sigma in settings:
-        s = planner_setup(collectors, max_lag, calib_roll[(median_ms, sigma)], calib_train[epochs])
+        durations = calib_roll[(collectors, median_ms, sigma)]
+        s = planner_setup(collectors, max_lag, durations, calib_train[epochs])
         pred = layout.predict(s, collectors, 1)
         sim = layout.simulate(s, collectors, 1, steps=400, warmup=20)
         m = measured_run(collectors, max_lag, epochs, median_ms, sigma, b.total_timesteps)
         steps_per_batch = 8 * 32
         row = dict(collectors=collectors, max_lag=max_lag, update_epochs=epochs, median_ms=median_ms, sigma=sigma,
-                   rollout_s=statistics.fmean(calib_roll[(median_ms, sigma)]), train_s=calib_train[epochs],
+                   rollout_s=statistics.fmean(durations), train_s=calib_train[epochs],
                    measured_sps=m["charts/SPS"], model_sps=pred.seqs_per_s * steps_per_batch,
                    sim_sps=sim.seqs_per_s * steps_per_batch, measured_lag=m["async/lag_mean"],
                    model_lag=pred.lag_mean, sim_lag=sim.lag_mean, bound=pred.bound,
