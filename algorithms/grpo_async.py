@@ -75,15 +75,35 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, 
         batch["sampler_stats"].copy_(torch.tensor([stats[k] for k in STATS], dtype=torch.float64))
 
 
+def from_rank_zero(obj=None):
+    """`--transport distributed`: rank 0's `obj` (the model directory it prepared, the prompt offset) on every rank.
+    The collector ranks load the warm start rank 0 built (a file system all ranks see)."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def train(args: Args, collector=grpo_collector) -> dict:
     """The trainer role: prepares the model (the collectors load the same directory), starts the collectors,
     then consumes, updates, publishes, logs and checkpoints. Returns the last logged metrics.
     Under `torchrun --nproc-per-node N` with `--transport threads` or `processes`, N data-parallel trainers
     (as in grpo.train), each with its own `--num-collectors` filling its 1/N of every batch; rank 0 logs the
-    world's metrics and checkpoints. (With `--transport distributed` the ranks are one trainer and collectors.)"""
+    world's metrics and checkpoints. With `--transport distributed`, every torchrun rank calls this: rank 0 trains,
+    the others collect (and return None)."""
     check_args(args)
-    data_parallel = (DataParallel(leanrl.resolve_device(args.device)) if args.transport == "distributed" else
-                     DataParallel.from_torchrun(leanrl.resolve_device(args.device)))
+    device = leanrl.resolve_device(args.device)
+    settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
+    if args.transport == "distributed":  # torchrun's ranks: rank 0 trains, the others collect
+        from leanrl.pipeline.distributed import is_collector_rank, join
+        device = join(args.num_collectors, device)
+        if is_collector_rank():
+            model_dir, prompt_offset = from_rank_zero()
+            leanrl.pipeline.start("distributed", args.num_collectors, collector,
+                                  (args, model_dir, device, prompt_offset), None, None, **settings)
+            return None
+        data_parallel = DataParallel(device)
+    else:
+        data_parallel = DataParallel.from_torchrun(device)
     rank, world, device = data_parallel.rank, data_parallel.world, data_parallel.device
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     # The first rank builds the warm-start cache, the others load it.
@@ -103,6 +123,8 @@ def train(args: Args, collector=grpo_collector) -> dict:
     def state():
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration)
 
+    if args.transport == "distributed":
+        from_rank_zero((model_dir, iteration * B))
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     # The batch layout is the same for every sampler: the cheapest one builds it.
     template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), share)
@@ -111,9 +133,8 @@ def train(args: Args, collector=grpo_collector) -> dict:
     C = args.num_collectors
     fn_args = (share, model_dir, collector_device, iteration * B, rank * C, world * C)
     sampled_tokens, t_start = 0.0, time.perf_counter()
-    with logger, interrupt, leanrl.pipeline.start(
-            args.transport, C, collector, fn_args, template, from_module(model).data, max_lag=args.max_lag,
-            deterministic=args.deterministic, publish_every=args.publish_every) as trainer:
+    with logger, interrupt, leanrl.pipeline.start(args.transport, C, collector, fn_args, template,
+                                                  from_module(model).data, **settings) as trainer:
         while iteration < num_iterations:
             batch = trainer.next_batch().to(device)
             t0 = time.perf_counter()

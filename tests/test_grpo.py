@@ -418,28 +418,31 @@ def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["next_prompt"] == 24
 
 
-def test_async_data_parallel_trainers_under_torchrun(tmp_path):
-    """`torchrun --nproc-per-node 2 scripts/grpo_arith.py --async --transport processes`: two data-parallel
-    trainers, each with a collector process of its own filling its half of every batch; the lag bound holds on
-    every rank, rank 0 logs the world and checkpoints."""
+@pytest.mark.parametrize("transport", ["processes", "distributed"])
+def test_async_grpo_under_torchrun(transport, tmp_path):
+    """`torchrun --nproc-per-node 2 scripts/grpo_arith.py --async`, as a user runs it. `--transport processes`: two
+    data-parallel trainers, each with a collector process of its own filling its half of every batch, rank 0
+    logging the world; `--transport distributed`: rank 0 trains, rank 1 collects. The lag bound holds on every
+    rank's batches and rank 0 checkpoints."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            os.path.join(root, "scripts", "grpo_arith.py"), "--async", "--max-lag", "2", "--num-collectors", "1",
-           "--transport", "processes", "--num-prompts", "8", "--group-size", "4", "--micro-batch", "4",
+           "--transport", transport, "--num-prompts", "8", "--group-size", "4", "--micro-batch", "4",
            "--sft-steps", "20", "--sft-batch", "16", "--total-timesteps", "160", "--run-dir", str(tmp_path),
            "--no-progress", "--log-every", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, path = _rows(tmp_path, "grpo_arith")
-    rank1 = [json.loads(line) for line in open(f"{path}/rank1/metrics.jsonl")]
-    for log in (rows, rank1):
+    logs = [rows]
+    if transport == "processes":
+        logs.append([json.loads(line) for line in open(f"{path}/rank1/metrics.jsonl")])
+        world_tokens, own_tokens = (sum(r[-1][f"lag/token_hist_{k}"] for k in range(3)) for r in logs)
+        assert world_tokens > own_tokens > 0  # rank 0 logs both ranks' tokens, rank 1 its own
+    for log in logs:
         assert [r["global_step"] for r in log] == [32, 64, 96, 128, 160]
         assert all(0 <= r["lag/token_min"] <= r["lag/token_max"] <= 2 for r in log)
-    world_tokens, own_tokens = (sum(r[-1][f"lag/token_hist_{k}"] for k in range(3)) for r in (rows, rank1))
-    assert world_tokens > own_tokens > 0  # rank 0 logs both ranks' tokens, rank 1 its own
     assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["iteration"] == 5
