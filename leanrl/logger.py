@@ -11,6 +11,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from leanrl.acceleration import WARMUP
+from leanrl.checkpoint import signals_deferred
 
 
 class Logger:
@@ -90,7 +91,12 @@ class Logger:
         return (self.step - self.step_steady) / (time.perf_counter() - self.t_steady)
 
     def flush(self):
-        """The log boundary: one device-to-host transfer for everything recorded since the last flush."""
+        """The log boundary: one device-to-host transfer for everything recorded since the last flush. A Ctrl-C or
+        SIGTERM waits until the row is written (see `signals_deferred`)."""
+        with signals_deferred():
+            return self._flush()
+
+    def _flush(self):
         names = list(self.pending)
         tensors = [self.pending[k].float().reshape(()) for k in names]
         if self.episode_sums is not None:
@@ -144,6 +150,10 @@ class Logger:
                    "an interrupt" if issubclass(exc_type, KeyboardInterrupt) else "an error")
 
     def close(self, stopped_by: str | None = None):
+        with signals_deferred():
+            self._close(stopped_by)
+
+    def _close(self, stopped_by: str | None = None):
         self.pbar.close()
         self.jsonl.close()
         self.tensorboard.close()

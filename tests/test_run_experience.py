@@ -152,6 +152,29 @@ def test_tensorboard_reads_the_logged_scalars(tmp_path):
     assert "hyperparameters/text_summary" in events.Tags()["tensors"]
 
 
+def test_a_sigterm_during_a_log_write_waits_for_the_row(tmp_path, monkeypatch):
+    # Raised inside TensorBoard's queue put, the interrupt could lose the writer thread's wake-up and hang the
+    # close that follows; the logger holds it until the row is written.
+    logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=10, progress=False, summary=False)
+    written = []
+    add_scalar = logger.tensorboard.add_scalar
+
+    def add_scalar_then_signal(tag, value, step):
+        add_scalar(tag, value, step)
+        written.append(tag)
+        if len(written) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler would run here, in the middle of the row
+
+    monkeypatch.setattr(logger.tensorboard, "add_scalar", add_scalar_then_signal)
+    logger.record({"losses/a": torch.tensor(1.0), "losses/b": torch.tensor(2.0)})
+    logger.end_iteration(10)
+    with leanrl.save_on_interrupt(str(tmp_path / "checkpoint.pt"), dict), pytest.raises(KeyboardInterrupt):
+        logger.flush()
+    assert written == ["losses/a", "losses/b"]
+    logger.close()
+
+
 @pytest.mark.parametrize("flag, value, rule", [
     ("learning_rate", -1e-3, "> 0"), ("num_envs", 0, "> 0"), ("num_minibatches", 0, "> 0"),
     ("total_timesteps", -5, "> 0"), ("gamma", 1.5, r"in \[0, 1\]"), ("gae_lambda", float("nan"), r"in \[0, 1\]"),
