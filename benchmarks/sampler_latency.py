@@ -1,4 +1,5 @@
-"""The built-in sampler's decode step time vs number of slots: eager, compile, and on CUDA compile+cudagraphs.
+"""The built-in sampler's decode step time vs number of slots: eager, compile, on CUDA compile+cudagraphs, and on a
+CPU compile-plain (compiled, weights not packed).
 
     python benchmarks/sampler_latency.py [--slots 1 2 4 8 16 32 64 --cache-len 128 --models tiny 20m --threads 1]
 
@@ -55,19 +56,22 @@ class Bench:
     """timed decode steps per point, in 4 rounds that alternate the modes (the median is reported)"""
     warmup: int = 5
     """untimed steps first (compilation, CUDA graph capture)"""
-    modes: list[str] = field(default_factory=lambda: ["eager", "compile", "compile+cudagraphs"])
-    """which modes to time (compile+cudagraphs only on CUDA)"""
+    modes: list[str] = field(default_factory=lambda: ["eager", "compile", "compile+cudagraphs", "compile-plain"])
+    """which modes to time (compile+cudagraphs only on CUDA; compile-plain, compiled without the packed weights
+    that a CPU sampler uses, only on a CPU)"""
     threads: int | None = None
     """torch CPU threads (default: torch's); on a machine shared with other jobs, 1 avoids OpenMP contention"""
     out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     """results folder; the machine's slug is appended"""
 
 
-MODES = {"eager": dict(), "compile": dict(compile=True), "compile+cudagraphs": dict(compile=True, cudagraphs=True)}
+MODES = {"eager": dict(), "compile": dict(compile=True), "compile+cudagraphs": dict(compile=True, cudagraphs=True),
+         "compile-plain": dict(compile=True, pack_weights=False)}
+ONLY_ON = {"compile+cudagraphs": "cuda", "compile-plain": "cpu"}
 
 
 def modes(names, device: torch.device):
-    return [(m, MODES[m]) for m in names if m != "compile+cudagraphs" or device.type == "cuda"]
+    return [(m, MODES[m]) for m in names if ONLY_ON.get(m, device.type) == device.type]
 
 
 def start(sampler: Sampler, warmup: int) -> float:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
+from leanrl.llm import sampler as sampler_module
 
 ALPHABET = "0123456789+-*= abcdefghij\n"
 
@@ -80,6 +81,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=["plain", "packed"])
+def packing(request, monkeypatch):
+    """The test models' weights are too small to be packed by default: "packed" packs every weight matrix."""
+    if request.param == "packed":
+        monkeypatch.setattr(sampler_module, "PACK_MIN_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def models(tokenizer, tmp_path_factory):
     """family -> (model, tokenizer): tiny models (head_dim 32) with perturbed weights, so norms and biases
@@ -120,7 +129,7 @@ def reference_logprobs(model, seq, P, temperature=1.0):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_equals_transformers(models, family):
+def test_forward_equals_transformers(models, packing, family):
     """Prefill, then the decode step's forward fed one token at a time (teacher forcing), against the
     transformers forward over the whole sequence."""
     model, tok = models[family]
@@ -138,7 +147,7 @@ def test_forward_equals_transformers(models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_generate_and_logprobs_equal_forward(models, family):
+def test_greedy_equals_generate_and_logprobs_equal_forward(models, packing, family):
     model, tok = models[family]
     sampler = make_sampler(model, tok, top_k=1, temperature=0.7)
     batch = sampler.make_batch(len(PROMPTS))
@@ -179,7 +188,7 @@ def test_sampled_logprobs_and_batch_layout(models):
                                    atol=1e-4, rtol=0)
 
 
-def test_compiled_decode_equals_eager(models):
+def test_compiled_decode_equals_eager(models, packing):
     """Same seed, same tokens; with an in-flight update at the 6th step, so the compiled step is also shown to
     read the weights' current values (not constants baked in at compile time)."""
     from tensordict import from_module
@@ -266,7 +275,7 @@ def _perturbed(model, seed):
 
 
 @pytest.mark.parametrize("recompute_kv", [False, True])
-def test_in_flight_update(models, recompute_kv):
+def test_in_flight_update(models, packing, recompute_kv):
     """Greedy, 2 prompts in 2 slots; after 3 decode steps step_boundary copies new weights into sampler.params
     in place. The tokens before are the old model's, the ones after are the new model's continuation: over
     the old prompt/token KV (kept) or over a cache recomputed with the new weights (AReaL)."""

@@ -4,7 +4,8 @@ weight updates, the log-prob and policy version of every sampled token.
 The decode step is one function of fixed shapes ([slots] tokens in, per layer a [slots, kv_heads, max_len,
 head_dim] cache updated in place, [slots] tokens out) that `leanrl.accelerate` compiles and, on CUDA, captures
 in a CUDA graph. It reads the weights of the transformers model itself (no copy), so copying new values into
-`sampler.params` in place is a weight update that a captured graph sees.
+`sampler.params` in place is a weight update that a captured graph sees. On a CPU it multiplies by a packed copy
+of each weight matrix (oneDNN's blocked layout), made again whenever the version of the weights changes.
 
 Decoding a sequence: the prompt's tokens go into a slot's cache (prefill, one slot at a time, padded to a fixed
 length); the decode step then feeds the last prompt token and samples the first completion token, so every
@@ -13,6 +14,7 @@ completion token (the first included) is sampled, scored and version-tagged in t
 
 import time
 from collections import deque
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,34 @@ from tensordict import TensorDict, from_module
 
 from leanrl.acceleration import accelerate
 from leanrl.llm.models import FAMILIES
+
+
+# The products a layer (and the head) computes, each from one or more weight matrices concatenated along the output.
+PRODUCTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate", "up"), "down": ("down",),
+            "lm_head": ("lm_head",)}
+
+
+@torch.library.custom_op("leanrl::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `packed = pack_weight(weight)`. An opaque op to torch.compile: inductor takes
+    a packed weight only as a frozen constant, and a sampler's weights change."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, out_features, bias):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a [out, in] weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+# Measured on cpu-2core-amd-epyc (float32, 4 to 64 rows): a packed 512x512 weight multiplies 1.1-1.3x faster,
+# 768x2304 1.2-2.5x; a 128x128 one 1.3-2x slower (oneDNN's ~20 us per call). Smaller products stay plain.
+PACK_MIN_ELEMENTS = 512 * 512
 
 
 class _Group:
@@ -44,11 +74,15 @@ def may_admit(ahead: int, need: int, version: int, min_version: int, carry_over:
 class Sampler:
     def __init__(self, model, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
                  temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, compile=False, cudagraphs=False,
-                 max_prompt_len: int | None = None, seed: int = 0):
+                 max_prompt_len: int | None = None, seed: int = 0, pack_weights: bool | None = None):
         """`max_prompt_len` (default `max_len - 1`): the longest prompt accepted. A prompt is prefilled at its length
         rounded up to a power of two (at least 8, at most max_prompt_len): one function per length used. `seed`:
         the sampler's own random generator (the noise of the Gumbel-max draw), so sampling does not depend on other
-        users of torch's global generator."""
+        users of torch's global generator. `pack_weights` (default: on a CPU, for float32 and bfloat16 weights):
+        a product of PRODUCTS with at least PACK_MIN_ELEMENTS weights multiplies by one packed copy of its
+        concatenated weight matrices (the others stay plain), made at construction and again whenever the version
+        given to `fill`'s step_boundary() or to `decode` changes. Weights changed in place under the same version
+        are then not seen."""
         config = model.config
         self.family = config.model_type
         if self.family not in FAMILIES:
@@ -73,11 +107,11 @@ class Sampler:
         self.eos_token_id, self.pad_token_id, self.vocab_size = eos_token_id, pad_token_id, vocab
         self.temperature, self.top_p, self.top_k, self.recompute_kv = temperature, top_p, top_k, recompute_kv
 
-        # The weights: aliases of the model's own tensors (same storage), never copies.
+        # The weights: aliases of the model's own tensors (same storage), never copies (packed ones follow: _pack).
         self.params = from_module(model).data
         base = model.model
         self.embed, self.norm = base.embed_tokens.weight.data, base.norm.weight.data
-        self.lm_head = model.lm_head.weight.data  # the embedding itself when tied (SmolLM2)
+        self.head = dict(lm_head=model.lm_head.weight.data)  # the embedding itself when tied (SmolLM2)
         self.layers = []
         for layer in base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -99,6 +133,14 @@ class Sampler:
         # Static buffers: every step reads and writes these in place, so a captured graph stays valid.
         device, dtype = self.embed.device, self.embed.dtype
         self.device = device
+        packable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        if pack_weights is None:
+            pack_weights = packable and torch.backends.mkldnn.is_available()
+        elif pack_weights and not packable:
+            raise ValueError(f"pack_weights=True: weights on {device} in {dtype}; packing is for float32 or bfloat16 "
+                             "weights on a CPU")
+        self.pack_weights, self._packed_version = pack_weights, None
+        self._pack()
         S, L = num_slots, max_len
         # The KV cache: per layer a [slots, kv_heads, max_len, head_dim] tensor of its own. One tensor for all
         # layers would make each layer's cache a view, and inductor then copies the whole cache at every write
@@ -140,6 +182,32 @@ class Sampler:
 
     # ---- the model (the same math as transformers' Llama / Qwen2 / Qwen3 forward) ----
 
+    def _pack(self):
+        if self.pack_weights:
+            for w in (*self.layers, self.head):
+                w["packed"] = {}
+                for product, names in PRODUCTS.items():
+                    if not all(n in w for n in names) or sum(w[n].numel() for n in names) < PACK_MIN_ELEMENTS:
+                        continue
+                    sizes = [w[n].shape[0] for n in names]
+                    bias = [w.get(n + "_bias") for n in names]
+                    bias = None if all(b is None for b in bias) else torch.cat(
+                        [w[n].new_zeros(size) if b is None else b for n, size, b in zip(names, sizes, bias)])
+                    w["packed"][product] = (pack_weight(torch.cat([w[n] for n in names])), sizes, bias)
+
+    def use_version(self, version: int):
+        """The weights are now those of `version`: packed again if it changed (fill and decode call it)."""
+        if self.pack_weights and version != self._packed_version:
+            self._pack()
+            self._packed_version = version
+
+    def _products(self, x, w, product):
+        """x times each weight matrix of PRODUCTS[product] (plus bias): one packed product split, or one each."""
+        if self.pack_weights and product in w["packed"]:
+            packed, sizes, bias = w["packed"][product]
+            return packed_linear(x, packed, sum(sizes), bias).split(sizes, dim=-1)
+        return [F.linear(x, w[n], w.get(n + "_bias")) for n in PRODUCTS[product]]
+
     def _rms(self, x, w):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -157,9 +225,9 @@ class Sampler:
     def _qkv(self, w, h, cos, sin):
         """h [N, hidden] -> q [N, heads, hd], k and v [N, kv_heads, hd], RoPE applied."""
         n = h.shape[0]
-        q = F.linear(h, w["q_proj"], w.get("q_proj_bias")).view(n, self.num_heads, self.head_dim)
-        k = F.linear(h, w["k_proj"], w.get("k_proj_bias")).view(n, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, w["v_proj"], w.get("v_proj_bias")).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self._products(h, w, "qkv")
+        q = q.view(n, self.num_heads, self.head_dim)
+        k, v = k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
         if "q_norm" in w:
             q, k = self._rms(q, w["q_norm"]), self._rms(k, w["k_norm"])
         cos, sin = cos[:, None], sin[:, None]
@@ -177,10 +245,10 @@ class Sampler:
         return torch.einsum(f"nkgt,{kv}->nkgd", probs, values).reshape(n, self.num_heads * self.head_dim)
 
     def _mlp_residual(self, w, x, attn):
-        x = x + F.linear(attn, w["o_proj"], w.get("o_proj_bias"))
+        x = x + self._products(attn, w, "o")[0]
         h = self._rms(x, w["ln2"])
-        gate, up = F.linear(h, w["gate"], w.get("gate_bias")), F.linear(h, w["up"], w.get("up_bias"))
-        return x + F.linear(F.silu(gate) * up, w["down"], w.get("down_bias"))
+        gate, up = self._products(h, w, "gate_up")
+        return x + self._products(F.silu(gate) * up, w, "down")[0]
 
     def _prefill_fn(self, length):
         def prefill(slot):
@@ -227,7 +295,7 @@ class Sampler:
             self.k_cache[i][self._arange_s, :, positions] = k  # in place: the graph's buffers stay put
             self.v_cache[i][self._arange_s, :, positions] = v
             x = self._mlp_residual(w, x, self._attend(q, self.k_cache[i], self.v_cache[i], visible))
-        return F.linear(self._rms(x, self.norm), self.lm_head).float().view(S, -1)
+        return self._products(self._rms(x, self.norm), self.head, "lm_head")[0].float().view(S, -1)
 
     # ---- the decode step (compiled; CUDA-graphed on CUDA: no arguments, no outputs, buffers only) ----
 
@@ -258,6 +326,7 @@ class Sampler:
     def decode(self, version: int) -> list[int]:
         """One decode step over all slots with weights of `version`; returns per slot 0 (running or idle),
         1 (ended with EOS) or 2 (cut at max_len)."""
+        self.use_version(version)
         self.version.fill_(version)
         self.noise.exponential_(generator=self.generator)
         self._decode()
@@ -380,6 +449,7 @@ class Sampler:
             version = step_boundary()
             if version < min_version:  # everything sampled now would be dropped: an endless loop otherwise
                 raise ValueError(f"step_boundary() returned version {version} < min_version={min_version}")
+            self.use_version(version)  # before any prefill with them
             changed = self._version_now is not None and version != self._version_now
             self._version_now = version
             if changed and self.recompute_kv:  # AReaL: the running sequences' cache under the new weights
