@@ -1,6 +1,7 @@
 """GRPO: the math against hand-computed values, the verifiers, bad input, compiled == eager, learning."""
 
 import math
+import os
 import random
 
 import pytest
@@ -300,6 +301,22 @@ def test_packed_sampler_weights_follow_every_update(run_dir, monkeypatch):
     assert len(rows) == 3 and all(r["charts/train_infer_mismatch"] < 1e-4 for r in rows)
 
 
+def test_learning_curve_benchmark_resumes_its_chunks_and_writes_its_table(tmp_path):
+    import importlib.util
+    import json
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "grpo_learning_curve.py")
+    spec = importlib.util.spec_from_file_location("grpo_learning_curve", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(bench.Bench(model="tiny", iterations=4, eval_every=2, learning_rate=1e-4, sft_steps=5,
+                           sft_learning_rate=3e-3, run_dir=str(tmp_path / "run"), out_dir=str(tmp_path / "out")))
+    (machine,) = os.listdir(tmp_path / "out")
+    out = json.load(open(tmp_path / "out" / machine / "grpo_learning_curve_tiny.json"))
+    assert [p["iteration"] for p in out["points"]] == [0, 2, 4]
+    assert [i for i, _ in out["train_curve"]] == [1, 2, 3, 4]  # one run, resumed: each iteration logged once
+    assert os.path.exists(tmp_path / "out" / machine / "grpo_learning_curve_tiny.png")
+
+
 def delayed_collector(delay_seed, ctx, *fn_args):
     """grpo_async's collector with a random sleep before each decode step (seeded per run and rank)."""
     import time
@@ -381,7 +398,6 @@ def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir
 
 @pytest.mark.parametrize("flags", [[], ["--async", "--max-lag", "1"]])
 def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
-    import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -400,7 +416,6 @@ def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     shares of every batch's prompts and train one model; rank 0 logs the world's metrics and checkpoints, rank 1
     logs its own share under rank1/; `--resume` goes on where the run stopped."""
     import json
-    import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -435,7 +450,6 @@ def test_async_grpo_under_torchrun(transport, tmp_path):
     logging the world; `--transport distributed`: rank 0 trains, rank 1 collects. The lag bound holds on every
     rank's batches and rank 0 checkpoints."""
     import json
-    import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
