@@ -5,10 +5,13 @@
 Calibration, right before the runs, on the same machine: (1) a collector's rollout time with the slow env of the
 setting (`ppo.rollout`: policy, env and sleep overshoot included), as an empirical distribution, measured with as
 many collector processes rolling out at once as the setting runs (on a CPU they share the cores; with this env,
-which mostly sleeps, that moved the mean by less than 2 % from a lone collector's); (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its
-pieces: GAE, the flat batch, the proximal log-probs and the update epochs of `ppo_async.make_update`) on a real
-collected batch. The planner (closed form and simulator) gets only those and the settings; each run's
-(`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are compared.
+which mostly sleeps, that moved the mean by less than 2 % from a lone collector's); (2) the trainer's time per
+batch (what `ppo_async.train` does with a batch, built from its pieces: GAE, the flat batch, the proximal
+log-probs and the update epochs of `ppo_async.make_update`) on a real collected batch; (3) the handoff h, the
+loop's latency beyond (1) and (2) (transport, weight pickup, wake-ups, logging), from one run of its own setting
+in which rollouts and updates strictly alternate. The planner (closed form and simulator) gets only those and the
+settings; each run's (`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are
+compared.
 Writes benchmarks/results/<machine>/layout_validation.{json,md}; `--quick` runs one small setting into a
 temporary folder (a check that the script works, not a validation).
 """
@@ -63,6 +66,8 @@ class Bench:
 SETTINGS = [(2, 1, 10, 4.0, 1.0), (4, 2, 10, 4.0, 1.0), (4, 1, 20, 2.0, 0.5), (3, 3, 30, 4.0, 1.5),
             (6, 2, 5, 4.0, 1.0)]
 QUICK = dict(total_timesteps=2_560, calib_rollouts=5, calib_updates=3)
+# The handoff's run: one collector and max_lag 0, so rollouts and updates strictly alternate.
+HANDOFF_SETTING = (1, 0, 10, 4.0, 1.0)
 
 
 def ppo_args(collectors, max_lag, epochs, total, run_dir="runs"):
@@ -148,13 +153,23 @@ def measured_run(collectors, max_lag, epochs, median_ms, sigma, total):
         return dict(algo.logged, wall_s=time.perf_counter() - t0)
 
 
-def planner_setup(collectors, max_lag, durations, train_s):
+def handoff_time(durations, train_s, total):
+    """The planner's h for this transport: in a run where the collector and the trainer strictly alternate, a
+    batch takes a rollout, an update and h (the batch's and the weights' transport, wake-ups, the trainer's
+    logging), so h = 1 / (batches/s) - rollout - update. Measured at a setting of its own, not one validated; at
+    least 0 (on a shared CPU the difference of three measurements can come out below)."""
+    m = measured_run(*HANDOFF_SETTING, total)
+    return max(8 * 32 / m["charts/SPS"] - statistics.fmean(durations) - train_s, 0.0)
+
+
+def planner_setup(collectors, max_lag, durations, train_s, handoff_s):
     """PPO as the planner's two-pool system: a collector is a replica with one slot, a rollout a sequence of
     duration/TICK steps of TICK each, one rollout per optimizer step, consumed in ticket order."""
     lengths = layout.Lengths("empirical", values=tuple(max(round(d / TICK), 1) for d in durations))
     return layout.Setup(total_gpus=collectors + 1, model=layout.Model(1e4, 1, 1, 1), gpu=layout.GPUS["CPU"],
                         lengths=lengths, batch=1, max_lag=max_lag, mode="pipelined", train_step_s=train_s,
-                        pause_s=0.0, latency=layout.LatencyCurve((1,), (TICK,)), consume="ticket")
+                        pause_s=0.0, handoff_s=handoff_s, latency=layout.LatencyCurve((1,), (TICK,)),
+                        consume="ticket")
 
 
 def main(b: Bench):
@@ -167,27 +182,32 @@ def main(b: Bench):
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     calib_roll, calib_train = {}, {}
-    for collectors, _, epochs, median_ms, sigma in settings:
+    for collectors, _, epochs, median_ms, sigma in [HANDOFF_SETTING, *settings]:
         if (collectors, median_ms, sigma) not in calib_roll:
             calib_roll[(collectors, median_ms, sigma)] = concurrent_rollout_times(collectors, median_ms, sigma,
                                                                                   b.calib_rollouts)
         if epochs not in calib_train:
             calib_train[epochs] = trainer_time(epochs, b.calib_updates)
+    collectors, _, epochs, median_ms, sigma = HANDOFF_SETTING
+    handoff_s = handoff_time(calib_roll[(collectors, median_ms, sigma)], calib_train[epochs], b.total_timesteps)
     t_calib = time.perf_counter() - t_start
     print(f"calibration {t_calib:.0f} s: rollout means " + ", ".join(
         f"{k}: {statistics.fmean(v) * 1e3:.1f} ms" for k, v in calib_roll.items()) + "; trainer " + ", ".join(
-        f"{k} epochs: {v * 1e3:.1f} ms" for k, v in calib_train.items()), flush=True)
+        f"{k} epochs: {v * 1e3:.1f} ms" for k, v in calib_train.items()) + f"; handoff {handoff_s * 1e3:.1f} ms",
+        flush=True)
     results = []
     for collectors, max_lag, epochs, median_ms, sigma in settings:
         durations = calib_roll[(collectors, median_ms, sigma)]
-        s = planner_setup(collectors, max_lag, durations, calib_train[epochs])
+        s = planner_setup(collectors, max_lag, durations, calib_train[epochs], handoff_s)
         pred = layout.predict(s, collectors, 1)
+        pred_h0 = layout.predict(replace(s, handoff_s=0.0), collectors, 1)  # what the handoff term changes
         sim = layout.simulate(s, collectors, 1, steps=400, warmup=20)
         m = measured_run(collectors, max_lag, epochs, median_ms, sigma, b.total_timesteps)
         steps_per_batch = 8 * 32
         row = dict(collectors=collectors, max_lag=max_lag, update_epochs=epochs, median_ms=median_ms, sigma=sigma,
                    rollout_s=statistics.fmean(durations), train_s=calib_train[epochs],
                    measured_sps=m["charts/SPS"], model_sps=pred.seqs_per_s * steps_per_batch,
+                   model_h0_sps=pred_h0.seqs_per_s * steps_per_batch,
                    sim_sps=sim.seqs_per_s * steps_per_batch, measured_lag=m["async/lag_mean"],
                    model_lag=pred.lag_mean, sim_lag=sim.lag_mean, bound=pred.bound,
                    measured_trainer_idle=m.get("async/trainer_idle_frac"), model_trainer_idle=pred.trainer_idle,
@@ -195,6 +215,7 @@ def main(b: Bench):
                    model_collector_idle=pred.sampler_idle, sim_collector_idle=sim.sampler_idle,
                    measured_lag_hist=[m[k] for k in sorted(k for k in m if k.startswith("async/lag_hist_"))],
                    sim_lag_hist=sim.lag_hist, wall_s=m["wall_s"])
+        row["model_h0_sps_err"] = row["model_h0_sps"] / row["measured_sps"] - 1
         for who in ("model", "sim"):
             row[f"{who}_sps_err"] = row[f"{who}_sps"] / row["measured_sps"] - 1
             row[f"{who}_lag_err"] = row[f"{who}_lag"] - row["measured_lag"]
@@ -203,7 +224,7 @@ def main(b: Bench):
               flush=True)
     load_after = os.getloadavg()
     info = dict(machine=machine_info(CPU), load_before=load_before, load_after=load_after,
-                calibration_s=t_calib, total_s=time.perf_counter() - t_start, tick_s=TICK,
+                calibration_s=t_calib, handoff_s=handoff_s, total_s=time.perf_counter() - t_start, tick_s=TICK,
                 total_timesteps=b.total_timesteps, results=results)
     with open(os.path.join(out, "layout_validation.json"), "w") as f:
         json.dump(info, f, indent=1)
@@ -216,19 +237,22 @@ def main(b: Bench):
 def table(info) -> str:
     lines = [f"Planner vs measured async PPO (torch/CartPole-v1, 8 envs x 32 steps per collector batch, processes "
              f"transport, {info['total_timesteps']:,} env steps per run). Calibration measured right before the "
-             f"runs ({info['calibration_s']:.0f} s); whole script {info['total_s']:.0f} s. Load average (1/5/15 "
+             f"runs ({info['calibration_s']:.0f} s), the handoff h = {info['handoff_s'] * 1e3:.1f} ms from a run "
+             f"of its own (1 collector, max_lag 0, 10 epochs, env step 4.0 ms, sigma 1.0); whole script "
+             f"{info['total_s']:.0f} s. Load average (1/5/15 "
              f"min) before {tuple(round(x, 1) for x in info['load_before'])}, after "
              f"{tuple(round(x, 1) for x in info['load_after'])} on {info['machine']['cores']} cores shared with "
              "other jobs.", "",
              "| collectors | max_lag | epochs | env step (median ms, sigma) | rollout s | train s | bound | "
-             "measured steps/s | model (err) | simulator (err) | measured lag | model lag (err) | sim lag (err) | "
-             "trainer idle meas / model | collector idle meas / model |",
-             "|---" * 15 + "|"]
+             "measured steps/s | model (err) | simulator (err) | model with h = 0 (err) | measured lag | model lag (err) | "
+             "sim lag (err) | trainer idle meas / model | collector idle meas / model |",
+             "|---" * 16 + "|"]
     for r in info["results"]:
         lines.append(
             f"| {r['collectors']} | {r['max_lag']} | {r['update_epochs']} | {r['median_ms']}, {r['sigma']} | "
             f"{r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['bound']} | {r['measured_sps']:.0f} | "
             f"{r['model_sps']:.0f} ({r['model_sps_err']:+.1%}) | {r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | "
+            f"{r['model_h0_sps']:.0f} ({r['model_h0_sps_err']:+.1%}) | "
             f"{r['measured_lag']:.2f} | {r['model_lag']:.2f} ({r['model_lag_err']:+.2f}) | "
             f"{r['sim_lag']:.2f} ({r['sim_lag_err']:+.2f}) | {r['measured_trainer_idle']:.2f} / "
             f"{r['model_trainer_idle']:.2f} | {r['measured_collector_idle']:.2f} / {r['model_collector_idle']:.2f} |")

@@ -89,6 +89,9 @@ class Args:
     """sampler pause per weight update (default: the weights at 50 GB/s)"""
     overhead_s: float | None = None
     """fixed time per decode step"""
+    handoff_s: float | None = None
+    """pipelined: seconds from the end of an optimizer step to the samplers having its weights (transport,
+    wake-ups; measured)"""
     top: int = 5
     """layouts shown"""
     simulate: bool = True
@@ -109,7 +112,7 @@ class Args:
 
 FLAG_TO_KEY = {"total_gpus", "tp", "gpus_per_trainer", "batch", "group_size", "max_lag", "mode", "prompt_len",
                "mfu", "train_tokens_per_s", "train_step_s", "extra_forwards", "pause_s", "overhead_s",
-               "latency_curve", "latency_mode"}
+               "handoff_s", "latency_curve", "latency_mode"}
 
 
 def read_config(path: str) -> dict:

@@ -174,3 +174,18 @@ def test_grpo_layout_validation_runs_sync_and_async_against_the_planner():
     assert pipelined["restarted_per_batch"] < 8  # of 128 sequences per batch
     for r in (sync, pipelined):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s"))
+
+
+def test_ppo_layout_validation_measures_the_handoff_and_runs_against_the_planner():
+    """`layout_validation.py --quick`: the handoff from its own alternating run, then one async PPO setting next to
+    the closed form (with and without the handoff) and the simulator."""
+    run = bench("--quick", script="layout_validation.py")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.strip().splitlines()[-1].removeprefix("written to ")
+    info = json.loads(open(os.path.join(out, "layout_validation.json")).read())
+    assert 0 <= info["handoff_s"] < 0.2
+    (r,) = info["results"]
+    assert r["bound"] == "admission" and 0 < r["measured_lag"] <= r["max_lag"] == 1
+    # the handoff only lengthens the admission loop: never a higher prediction than without it
+    assert r["model_sps"] <= r["model_h0_sps"]
+    assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s"))

@@ -88,6 +88,24 @@ def test_simulator_equals_closed_form_pipelined():
     assert sim.lag_mean == pytest.approx(p.lag_mean, abs=0.15)
 
 
+def test_handoff_lengthens_the_admission_loop_in_model_and_simulator():
+    # D = 1536 x 0.01 = 15.36 s per sequence, T = 1 s: the admission bound, (max_lag + 1)·b / (D + T + h)
+    for h in (0.0, 4.0):
+        s = flat(0.01, train_step_s=1.0, max_lag=1, handoff_s=h)
+        p, sim = L.predict(s, 4, 64), L.simulate(s, 4, 64, steps=60, warmup=10)
+        assert p.bound == "admission"
+        assert p.seqs_per_s == pytest.approx(2 * 64 / (15.36 + 1.0 + h))
+        assert sim.seqs_per_s == pytest.approx(p.seqs_per_s, rel=1e-6) and sim.lag_mean == p.lag_mean == 1
+    # sampler-bound: the rate stays, the lag grows by (X/b)·h
+    fast, slow = (flat(0.01, train_step_s=0.5, max_lag=3, handoff_s=h) for h in (0.0, 2.0))
+    p0, p1 = L.predict(fast, 2, 16), L.predict(slow, 2, 16)
+    assert p0.bound == p1.bound == "sampler" and p1.seqs_per_s == p0.seqs_per_s
+    assert p1.lag_mean == pytest.approx(p0.lag_mean + p0.seqs_per_s / 64 * 2.0)
+    sim = L.simulate(slow, 2, 16, steps=60, warmup=10)
+    assert sim.seqs_per_s == pytest.approx(p1.seqs_per_s, rel=0.01)
+    assert sim.lag_mean == pytest.approx(p1.lag_mean, abs=0.15)
+
+
 def test_model_and_simulator_agree_heavy_tail():
     s = setup(lengths=L.Lengths("lognormal", 1000, 1.0, cap=8192), batch=256, max_lag=4)
     for n, b in [(4, 50), (5, 32), (3, 50)]:
@@ -98,11 +116,11 @@ def test_model_and_simulator_agree_heavy_tail():
 @settings(max_examples=25, deadline=None)
 @given(replicas=st.integers(1, 4), slots=st.integers(1, 8), batch=st.integers(1, 12), max_lag=st.integers(1, 4),
        train_s=st.floats(0.01, 2.0), sigma=st.floats(0.0, 1.5), consume=st.sampled_from(["finish", "ticket"]),
-       seed=st.integers(0, 1000))
-def test_admission_never_exceeded(replicas, slots, batch, max_lag, train_s, sigma, consume, seed):
+       handoff=st.sampled_from([0.0, 0.3]), seed=st.integers(0, 1000))
+def test_admission_never_exceeded(replicas, slots, batch, max_lag, train_s, sigma, consume, handoff, seed):
     s = L.Setup(total_gpus=replicas + 1, model=L.Model(1e6, 1, 1, 1), gpu=L.GPUS["CPU"], batch=batch,
                 lengths=L.Lengths("lognormal", 20, sigma, cap=400), max_lag=max_lag, train_step_s=train_s,
-                latency=L.LatencyCurve((1, 8), (0.01, 0.02)), pause_s=0.05, consume=consume)
+                latency=L.LatencyCurve((1, 8), (0.01, 0.02)), pause_s=0.05, consume=consume, handoff_s=handoff)
     trace = {}
     L.simulate(s, replicas, slots, steps=30, warmup=3, seed=seed, trace=trace)
     started = trace["start_version"]
@@ -151,6 +169,7 @@ def test_latency_curve_file_and_model_dir(tmp_path):
     (dict(mode="pipelined", max_lag=0), "max_lag 0 with mode pipelined"),
     (dict(batch=10, group_size=4), "multiple of group_size"),
     (dict(mode="async"), "mode 'async'"),
+    (dict(handoff_s=-0.1), "handoff_s -0.1: cannot be negative"),
 ])
 def test_bad_input(change, match):
     with pytest.raises(ValueError, match=match):
