@@ -38,6 +38,8 @@ def log(*parts):
 class Measured(Exception):
     """Raised by the hook to end a training run once it has been timed."""
 
+    stop_reason = "the benchmark, once timed"  # the run summary's words, instead of "an error"
+
 
 class Run:
     """One mode of the entry: its args, envs and accelerated functions, and its figures."""

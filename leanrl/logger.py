@@ -146,8 +146,9 @@ class Logger:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.close(stopped_by=None if exc_type is None else
-                   "an interrupt" if issubclass(exc_type, KeyboardInterrupt) else "an error")
+        # An exception that ends a run on purpose (a benchmark's hook, once it has timed it) names itself.
+        self.close(stopped_by=None if exc_type is None else getattr(exc, "stop_reason", None) or
+                   ("an interrupt" if issubclass(exc_type, KeyboardInterrupt) else f"an error ({exc_type.__name__})"))
 
     def close(self, stopped_by: str | None = None):
         with signals_deferred():

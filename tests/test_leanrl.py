@@ -92,6 +92,18 @@ def test_logger_raises_on_a_non_finite_loss(tmp_path):
     logger.close()
 
 
+class _Timed(Exception):
+    stop_reason = "the benchmark, once timed"
+
+
+@pytest.mark.parametrize("exc, words", [(RuntimeError, "stopped by an error (RuntimeError) at step 0"),
+                                        (_Timed, "stopped by the benchmark, once timed at step 0")])
+def test_run_summary_names_what_stopped_the_run(tmp_path, capsys, exc, words):
+    with pytest.raises(exc), leanrl.Logger(str(tmp_path), {}, total_steps=10, progress=False):
+        raise exc
+    assert words in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mode", ["offline", "disabled"])
 def test_wandb_offline_writes_files_disabled_leaves_none(tmp_path, mode, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
