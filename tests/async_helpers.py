@@ -37,3 +37,13 @@ def toy_update(weights, batch):
     """A deterministic 'optimizer step' that depends on everything in the batch."""
     weights["w"].mul_(0.9).add_(batch["x"].mean(0))
     weights["b"].copy_(batch["x"].std(0))
+
+
+def slow_start_collector(ctx, start_s):
+    """Starts `start_s` late (as a collector that builds envs and compiles), then fills its batches at once."""
+    time.sleep(start_s)
+    local = params()
+    for batch in ctx.batches(local, template()):
+        for t in range(STEPS):
+            batch["version"][t] = ctx.step_boundary()
+            batch["x"][t] = local["w"]

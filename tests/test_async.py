@@ -25,7 +25,7 @@ from leanrl import pipeline
 from leanrl.pipeline.weights import WeightRing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from async_helpers import params, template, toy_collector, toy_update  # noqa: E402
+from async_helpers import params, slow_start_collector, template, toy_collector, toy_update  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +62,18 @@ def test_lag_bounded_and_every_batch_consumed_once_in_order(num_collectors, max_
     assert max(lags) <= max_lag and int(trainer.stats.hist.sum()) == n
     assert all((g - lag) % publish_every == 0 for g, lag in zip(tickets, lags))  # only published versions act
     assert trainer.stats.summary()["async/lag_max"] <= max_lag
+
+
+def test_trainer_idle_fraction_leaves_out_the_collectors_start_up():
+    # 1 s of collector start-up, then 20 batches of 20 ms of training each: the trainer waits for nothing after
+    # the first batch (counting the start-up, its idle fraction would be about 0.7)
+    with pipeline.start("threads", 1, slow_start_collector, (1.0,), template(), params(), max_lag=2,
+                        timeout=60) as trainer:
+        for _ in range(20):
+            trainer.next_batch()
+            time.sleep(0.02)
+            trainer.publish()
+        assert trainer.stats.summary()["async/trainer_idle_frac"] < 0.25
 
 
 def test_deterministic_mode_is_bitwise_reproducible_whatever_the_delays():

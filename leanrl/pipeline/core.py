@@ -71,7 +71,8 @@ def sync_cuda():
 
 class Stats:
     """Lag histogram, idle fractions and queue depth, read on the host once per batch (the lag check
-    needs the versions anyway)."""
+    needs the versions anyway). The trainer's idle clock starts at its first batch: the wait for that one is the
+    collectors' start-up (processes, envs, models, compiles), not idleness."""
 
     def __init__(self, max_lag, collector_times):
         self.hist = torch.zeros(max_lag + 1, dtype=torch.int64)
@@ -135,7 +136,10 @@ class Trainer:
                 raise RuntimeError(f"ticket {b} from collector {rank} was already consumed or queued")
             self.next_seq[rank] += 1
             self.ready[b] = (rank, a)
-        self.stats.trainer_idle += time.perf_counter() - t0
+        if self.stats.n:
+            self.stats.trainer_idle += time.perf_counter() - t0
+        else:
+            self.stats.t_start = time.perf_counter()
         rank, seq = self.ready.pop(g)
         batch = self._slot(rank, seq)
         lag = g - int(batch["version"].min())
