@@ -9,6 +9,7 @@ prediction next to a finished run's metrics. Formulas: leanrl/layout.py.
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -238,4 +239,8 @@ def main(a: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except ValueError as e:  # bad input: its one-line message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -222,4 +222,5 @@ def test_cli_plan_and_errors(tmp_path):
     assert plan["best"]["seqs_per_s"] == plan["layouts"][0]["seqs_per_s"] > 0
     bad = run_cli("--total-gpus", "4", "--gpu", "H100", "--params", "1e9", "--layers", "16", "--kv-heads", "8",
                   "--head-dim", "64", "--mode", "pipelined", "--max-lag", "0")
-    assert bad.returncode != 0 and "max_lag 0 with mode pipelined" in bad.stderr
+    assert bad.returncode == 2 and "error: max_lag 0 with mode pipelined" in bad.stderr
+    assert "Traceback" not in bad.stderr
