@@ -244,8 +244,8 @@ def table(info) -> str:
              f"{tuple(round(x, 1) for x in info['load_after'])} on {info['machine']['cores']} cores shared with "
              "other jobs.", "",
              "| collectors | max_lag | epochs | env step (median ms, sigma) | rollout s | train s | bound | "
-             "measured steps/s | model (err) | simulator (err) | model with h = 0 (err) | measured lag | model lag (err) | "
-             "sim lag (err) | trainer idle meas / model | collector idle meas / model |",
+             "measured steps/s | model (err) | simulator (err) | model with h = 0 (err) | measured lag | "
+             "model lag (err) | sim lag (err) | trainer idle meas / model | collector idle meas / model |",
              "|---" * 16 + "|"]
     for r in info["results"]:
         lines.append(
