@@ -75,12 +75,14 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, 
         batch["sampler_stats"].copy_(torch.tensor([stats[k] for k in STATS], dtype=torch.float64))
 
 
-def from_rank_zero(obj=None):
-    """`--transport distributed`: rank 0's `obj` (the model directory it prepared, the prompt offset) on every rank.
-    The collector ranks load the warm start rank 0 built (a file system all ranks see)."""
-    box = [obj]
+def from_rank_zero(model_dir=None, prompt_offset=None):
+    """`--transport distributed`: rank 0's model directory (the warm start it built) and prompt offset on every
+    rank. A collector rank on a node that does not see rank 0's directory receives its files."""
+    from leanrl.pipeline.distributed import directory_on_every_rank
+    box = [(model_dir, prompt_offset)]
     torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+    model_dir, prompt_offset = box[0]
+    return directory_on_every_rank(model_dir), prompt_offset
 
 
 def train(args: Args, collector=grpo_collector) -> dict:
@@ -124,7 +126,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
         return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration)
 
     if args.transport == "distributed":
-        from_rank_zero((model_dir, iteration * B))
+        from_rank_zero(model_dir, iteration * B)
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     # The batch layout is the same for every sampler: the cheapest one builds it.
     template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), share)

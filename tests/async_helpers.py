@@ -47,3 +47,22 @@ def slow_start_collector(ctx, start_s):
         for t in range(STEPS):
             batch["version"][t] = ctx.step_boundary()
             batch["x"][t] = local["w"]
+
+
+def receive_directory(rank, world, port, path, out, rank_zero_only):
+    """Rank `rank` of a gloo world: rank 0's `path` on this rank, every rank seeing it or (`rank_zero_only`) only
+    rank 0 (as on two nodes without a shared file system); writes where this rank got it to `out`/rank<r>.json."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from leanrl.pipeline.distributed import directory_on_every_rank
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    visible = (lambda p: rank == 0) if rank_zero_only else os.path.isdir
+    local = directory_on_every_rank(path, visible)
+    files = {os.path.relpath(os.path.join(r, n), local): open(os.path.join(r, n), "rb").read().hex()
+             for r, _, names in os.walk(local) for n in names}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(local=local, files=files), f)
+    dist.destroy_process_group()

@@ -25,7 +25,8 @@ from leanrl import pipeline
 from leanrl.pipeline.weights import WeightRing
 
 sys.path.insert(0, os.path.dirname(__file__))
-from async_helpers import params, slow_start_collector, template, toy_collector, toy_update  # noqa: E402
+from async_helpers import (params, receive_directory, slow_start_collector, template, toy_collector,  # noqa: E402
+                           toy_update)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,6 +149,23 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank_zero_only", [False, True])
+def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_zero_only, tmp_path):
+    """A collector rank on another node (no shared file system) gets rank 0's model directory over the group."""
+    import torch.multiprocessing as mp
+    model = tmp_path / "model"
+    (model / "tokenizer").mkdir(parents=True)
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "tokenizer" / "vocab.txt").write_text("a\nb\n")
+    (model / "model.safetensors").write_bytes(os.urandom(300_000))
+    mp.spawn(receive_directory, args=(3, free_port(), str(model), str(tmp_path), rank_zero_only), nprocs=3)
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(3)]
+    assert got[0]["local"] == str(model)
+    assert all(g["files"] == got[0]["files"] for g in got) and len(got[0]["files"]) == 3
+    for g in got[1:]:  # a folder of its own only where the rank does not see rank 0's
+        assert (g["local"] != str(model)) == rank_zero_only
 
 
 def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):

@@ -22,11 +22,13 @@ traceback (ERROR) or nothing (DONE: the collector has stopped and sends no more)
 import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 import traceback
 from collections import OrderedDict
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,28 @@ ERROR_BYTES = 1 << 16
 
 
 _weights_group = None  # the weights' own process group (set by join): NCCL on GPUs, else gloo
+
+
+def directory_on_every_rank(path: str, visible=os.path.isdir) -> str:
+    """Rank 0's directory `path` (a model: config, tokenizer, weights) as a local path on this rank; every rank
+    calls it. A rank that does not see `path` (another node, no shared file system) receives the files over the
+    default group into a folder of its own; where every rank sees it, nothing is sent. `visible(path)`: whether
+    this rank sees it."""
+    rank = dist.get_rank()
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, bool(visible(path)))
+    if all(seen):
+        return path
+    files = [{str(f.relative_to(path)): f.read_bytes() for f in Path(path).rglob("*") if f.is_file()}
+             if rank == 0 else None]
+    dist.broadcast_object_list(files, src=0)
+    if seen[rank]:
+        return path
+    local = Path(tempfile.mkdtemp(prefix="leanrl-from-rank0-"))
+    for name, data in files[0].items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(data)
+    return str(local)
 
 
 def join(num_collectors, device: torch.device) -> torch.device:
