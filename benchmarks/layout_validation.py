@@ -68,11 +68,13 @@ SETTINGS = [(2, 1, 10, 4.0, 1.0), (4, 2, 10, 4.0, 1.0), (4, 1, 20, 2.0, 0.5), (3
 QUICK = dict(total_timesteps=2_560, calib_rollouts=5, calib_updates=3)
 # The handoff's run: one collector and max_lag 0, so rollouts and updates strictly alternate.
 HANDOFF_SETTING = (1, 0, 10, 4.0, 1.0)
+NUM_ENVS, NUM_STEPS = 8, 32
+STEPS_PER_BATCH = NUM_ENVS * NUM_STEPS  # env steps per collector batch: the planner's sequence
 
 
 def ppo_args(collectors, max_lag, epochs, total, run_dir="runs"):
-    return ppo_async.Args(env_id=ENV_ID, seed=1, num_envs=8, num_steps=32, num_minibatches=1, update_epochs=epochs,
-                          learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
+    return ppo_async.Args(env_id=ENV_ID, seed=1, num_envs=NUM_ENVS, num_steps=NUM_STEPS, num_minibatches=1,
+                          update_epochs=epochs, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
                           total_timesteps=total, log_every=1, checkpoint_every=0, progress=False,
                           run_dir=run_dir, async_=True, num_collectors=collectors, max_lag=max_lag,
                           correction="decoupled", transport="processes")
@@ -91,7 +93,7 @@ def collector_rollout(args, envs, seed):
 def rollout_times(median_ms, sigma, n, seed=7):
     """A collector's rollout durations (s) with this env (its first two are warm-up, dropped)."""
     torch.set_num_threads(1)  # as a collector process (leanrl.pipeline)
-    envs = make_slow_env(ENV_ID, 8, median_ms, sigma, seed=seed)
+    envs = make_slow_env(ENV_ID, NUM_ENVS, median_ms, sigma, seed=seed)
     rollout, _ = collector_rollout(ppo_args(1, 1, 1, 256), envs, seed=seed)
     out = []
     for _ in range(n + 2):
@@ -115,7 +117,7 @@ def trainer_time(epochs, n):
     The transport, the weight publish and the logging are not in it (they show up as the validation error)."""
     args = ppo_args(1, 1, epochs, 256)
     batch_size, minibatch_size, _ = ppo_async.check_args(args)
-    envs = make_env(ENV_ID, 8, seed=3)
+    envs = make_env(ENV_ID, NUM_ENVS, seed=3)
     rollout, collected = collector_rollout(args, envs, seed=3)
     next_values, terminated = rollout()
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU)
@@ -159,7 +161,7 @@ def handoff_time(durations, train_s, total):
     logging), so h = 1 / (batches/s) - rollout - update. Measured at a setting of its own, not one validated; at
     least 0 (on a shared CPU the difference of three measurements can come out below)."""
     m = measured_run(*HANDOFF_SETTING, total)
-    return max(8 * 32 / m["charts/SPS"] - statistics.fmean(durations) - train_s, 0.0)
+    return max(STEPS_PER_BATCH / m["charts/SPS"] - statistics.fmean(durations) - train_s, 0.0)
 
 
 def planner_setup(collectors, max_lag, durations, train_s, handoff_s):
@@ -203,12 +205,11 @@ def main(b: Bench):
         pred_h0 = layout.predict(replace(s, handoff_s=0.0), collectors, 1)  # what the handoff term changes
         sim = layout.simulate(s, collectors, 1, steps=400, warmup=20)
         m = measured_run(collectors, max_lag, epochs, median_ms, sigma, b.total_timesteps)
-        steps_per_batch = 8 * 32
         row = dict(collectors=collectors, max_lag=max_lag, update_epochs=epochs, median_ms=median_ms, sigma=sigma,
                    rollout_s=statistics.fmean(durations), train_s=calib_train[epochs],
-                   measured_sps=m["charts/SPS"], model_sps=pred.seqs_per_s * steps_per_batch,
-                   model_h0_sps=pred_h0.seqs_per_s * steps_per_batch,
-                   sim_sps=sim.seqs_per_s * steps_per_batch, measured_lag=m["async/lag_mean"],
+                   measured_sps=m["charts/SPS"], model_sps=pred.seqs_per_s * STEPS_PER_BATCH,
+                   model_h0_sps=pred_h0.seqs_per_s * STEPS_PER_BATCH,
+                   sim_sps=sim.seqs_per_s * STEPS_PER_BATCH, measured_lag=m["async/lag_mean"],
                    model_lag=pred.lag_mean, sim_lag=sim.lag_mean, bound=pred.bound,
                    measured_trainer_idle=m.get("async/trainer_idle_frac"), model_trainer_idle=pred.trainer_idle,
                    sim_trainer_idle=sim.trainer_idle, measured_collector_idle=m.get("async/collector_idle_frac"),

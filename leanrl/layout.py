@@ -570,12 +570,10 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
         elif kind == "trained":  # the trainer finished step v: publish v + 1
             state["trainer_busy"] = False
             state["version"] += 1
-            if not pipelined:
-                state["visible"] = state["version"]
-            elif s.handoff_s > 0:
+            if pipelined:
                 push(now + s.handoff_s, "arrived")
             else:
-                arrive(now)
+                state["visible"] = state["version"]
             try_train(now)
             admit(now)
         else:  # the weights of the oldest publish in flight reach the samplers
