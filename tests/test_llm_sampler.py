@@ -214,7 +214,9 @@ def test_compiled_decode_equals_eager(models, packing):
     eager, compiled = batches
     assert torch.equal(eager["tokens"], compiled["tokens"])
     assert torch.equal(eager["completion_mask"], compiled["completion_mask"])
-    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-5, rtol=0)
+    # Fused kernels sum in another order: log-probs of magnitude ~2 differ by ~1e-5 on some CPUs (a CI machine
+    # measured 1.16e-5), so the bound is the for sampler log-probs; stale weights are off by ~0.07.
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
