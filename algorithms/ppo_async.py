@@ -134,14 +134,14 @@ def collector(ctx, args: Args, make_envs, device):
     storage = ppo.make_storage(envs, args, device)
     next_obs, versions = envs.reset(seed=seed), []
 
-    def tagged_act(obs):
+    def tagged_act(obs, *noise):
         versions.append(ctx.step_boundary())
-        return act(obs)
+        return act(obs, *noise)
 
     try:
         for batch in ctx.batches(from_module(agent).data, batch_template(storage)):
             versions.clear()
-            next_values, terminated = ppo.rollout(tagged_act, get_value, next_obs, storage, args)
+            next_values, terminated = ppo.rollout(tagged_act, get_value, envs, next_obs, storage, args)
             batch.update_(storage)
             batch["next_values"].copy_(next_values)
             batch["gae_terminated"].copy_(terminated)

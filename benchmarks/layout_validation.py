@@ -88,7 +88,7 @@ def collector_rollout(args, envs, seed):
     storage = ppo.make_storage(envs, args, CPU)
     next_obs = envs.reset(seed=seed)
     act = ppo.make_act(ppo.make_policy(agent), agent.get_value, envs.step, args)
-    return functools.partial(ppo.rollout, act, agent.get_value, next_obs, storage, args), storage
+    return functools.partial(ppo.rollout, act, agent.get_value, envs, next_obs, storage, args), storage
 
 
 def rollout_times(median_ms, sigma, n, seed=7):

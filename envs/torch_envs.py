@@ -2,8 +2,10 @@
 
 `step` has no Python branch on tensor values and no host sync, and writes the env state in place into
 preallocated tensors, so it traces under torch.compile(fullgraph=True) and can be captured in a CUDA
-graph. Auto-reset states are drawn from torch's default generator (the one CUDA graphs and compiled
-code can replay): seed it with torch.manual_seed. Only reset(seed) uses a generator of its own.
+graph. `transition` is the same step as a pure function of the state (`carry`), for code that scans it.
+Auto-reset states come from `reset_noise` when the caller draws it (PPO draws a rollout's at once), else
+from torch's default generator (the one CUDA graphs and compiled code can replay): seed it with
+torch.manual_seed. Only reset(seed) uses a generator of its own.
 The state is float64 by default, like gymnasium's; observations are float32.
 """
 import math
@@ -78,10 +80,18 @@ class TorchEnv:
         self.steps = torch.zeros(num_envs, dtype=torch.int64, device=self.device)
         self.episode_return = torch.zeros(num_envs, device=self.device)
 
-    def _sample_state(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Uniform in [-reset_high, reset_high], like gymnasium's reset."""
-        u = torch.rand(self.state.shape, dtype=self.state.dtype, device=self.device, generator=generator)
-        return (2 * u - 1) * self.reset_high
+    def _sample_state(self, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None):
+        """Uniform in [-reset_high, reset_high], like gymnasium's reset; made from `uniform` (in [0, 1)) if given."""
+        if uniform is None:
+            uniform = torch.rand((self.num_envs, len(self.reset_high)), dtype=self.reset_high.dtype,
+                                 device=self.device, generator=generator)
+        return (2 * uniform - 1) * self.reset_high
+
+    def reset_noise(self, num_steps: int) -> torch.Tensor:
+        """The random numbers `num_steps` steps draw their auto-reset states from, drawn at once: one per step
+        (`step`'s and `transition`'s `reset_noise`)."""
+        return torch.rand(num_steps, self.num_envs, len(self.reset_high), dtype=self.reset_high.dtype,
+                          device=self.device)
 
     def reset(self, seed: int | None = None) -> torch.Tensor:
         seed, self._seed = (self._seed if seed is None else seed), None  # the constructor's seed seeds the first reset
@@ -91,20 +101,34 @@ class TorchEnv:
         self.episode_return.zero_()
         return self.obs_fn(self.state)
 
-    def step(self, action: torch.Tensor) -> TensorDict:
-        new_state, final_obs, reward, terminated = self.step_fn(self.state, action)
-        steps, episode_return = self.steps + 1, self.episode_return + reward
+    @property
+    def carry(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole env state: what `transition` maps to the next one."""
+        return self.state, self.steps, self.episode_return
+
+    def transition(self, carry, action: torch.Tensor, reset_noise: torch.Tensor | None = None) -> tuple[tuple, dict]:
+        """`step` as a pure function: (the next carry, the step's outputs as a dict), nothing written."""
+        state, steps, episode_return = carry
+        new_state, final_obs, reward, terminated = self.step_fn(state, action)
+        steps, episode_return = steps + 1, episode_return + reward
         truncated = steps >= self.max_steps  # gymnasium's TimeLimit: may be set together with terminated
         done = terminated | truncated
-        self.state.copy_(torch.where(done[:, None], self._sample_state(), new_state))
-        self.steps.copy_(torch.where(done, 0, steps))
-        self.episode_return.copy_(torch.where(done, 0.0, episode_return))
-        return TensorDict(
-            next_obs=self.obs_fn(self.state), final_obs=final_obs, reward=reward,
+        next_state = torch.where(done[:, None], self._sample_state(uniform=reset_noise), new_state)
+        next_carry = (next_state, torch.where(done, 0, steps), torch.where(done, 0.0, episode_return))
+        return next_carry, dict(
+            next_obs=self.obs_fn(next_state), final_obs=final_obs, reward=reward,
             terminated=terminated, truncated=truncated,
-            episode_return=torch.where(done, episode_return, 0.0), episode_length=torch.where(done, steps, 0),
-            batch_size=[self.num_envs], device=self.device,
-        )
+            episode_return=torch.where(done, episode_return, 0.0), episode_length=torch.where(done, steps, 0))
+
+    def step(self, action: torch.Tensor, reset_noise: torch.Tensor | None = None) -> TensorDict:
+        """One step of every env; auto-reset states from `reset_noise` (one step of `reset_noise()`), or drawn."""
+        next_carry, out = self.transition(self.carry, action, reset_noise)
+        self.set_carry(next_carry)
+        return TensorDict(out, batch_size=[self.num_envs], device=self.device)
+
+    def set_carry(self, carry) -> None:
+        for mine, new in zip(self.carry, carry):
+            mine.copy_(new)
 
     def state_dict(self) -> dict:
         return {"state": self.state.clone(), "steps": self.steps.clone(), "episode_return": self.episode_return.clone()}

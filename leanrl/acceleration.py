@@ -16,17 +16,18 @@ _said: set[str] = set()  # messages printed once per process
 
 
 def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = WARMUP,
-               compile_mode: str | None = None, name: str | None = None):
+               compile_kwargs: dict | None = None, name: str | None = None):
     """Return `fn` compiled and/or captured in a CUDA graph; the only place the repo does either.
 
     `compile` uses torch.compile's default mode, so the four modes (eager, compile, cudagraphs, both)
-    measure four distinct things. `cudagraphs` needs fixed shapes: every later call must pass tensors of
-    the shape, dtype and device of the first call, or a `ShapeChangeError` is raised (even on CPU, where
-    no graph is captured, so a run behaves the same on every machine).
+    measure four distinct things; `compile_kwargs` are more of its keywords, for a function that needs its own.
+    `cudagraphs` needs fixed shapes: every later call must pass tensors of the shape, dtype and device of
+    the first call, or a `ShapeChangeError` is raised (even on CPU, where no graph is captured, so a run
+    behaves the same on every machine).
     """
     name = name or getattr(fn, "__name__", "fn")
     if compile:
-        fn = torch.compile(fn, mode=compile_mode)
+        fn = torch.compile(fn, **(compile_kwargs or {}))
     if not cudagraphs:
         return fn
     if torch.device(device).type == "cuda":

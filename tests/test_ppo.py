@@ -212,17 +212,46 @@ def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path, monk
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@torch._inductor.config.patch(fallback_random=True)
-def test_compiled_step_matches_eager(tmp_path, capfd, monkeypatch):
-    """--compile with an on-device env: policy, env step and critic in one compiled call per step, the update
-    compiled, GAE kept eager on CPU (and said so). The same parameters as eager from the same seed."""
+@pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
+def test_scanned_rollout_stores_what_the_eager_rollout_stores(env_id):
+    """The compiled scan against eager step by step, from the same seed, over 210 steps: terminations and
+    auto-resets (CartPole), time-limit truncations with their final values (Pendulum's 200 steps)."""
+    args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 210})
+    cpu, results = torch.device("cpu"), []
+    for scanned in (False, True):
+        torch.manual_seed(0)
+        envs = make_env(env_id, 8, seed=3)
+        agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space).requires_grad_(False)
+        storage, next_obs = ppo.make_storage(envs, args, cpu), envs.reset(seed=3)
+        wrap = dict(compile=scanned, cudagraphs=False, device=cpu)
+        act, get_value = ppo.make_acting(agent, envs, args, wrap)
+        collect = (ppo.make_scanned_rollout(agent, envs, get_value, args, wrap) if scanned else
+                   lambda next_obs, storage: ppo.rollout(act, get_value, envs, next_obs, storage, args))
+        next_values, terminated = collect(next_obs, storage)
+        results.append((storage, next_values, terminated, next_obs, envs.state_dict()))
+    (eager, *eager_rest), (compiled, *compiled_rest) = results
+    assert eager["truncated"].any() if env_id == "torch/Pendulum-v1" else eager["terminated"].any()
+    for key in eager.keys():
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-5, msg=key)
+    torch.testing.assert_close(compiled_rest, eager_rest, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
+def test_compiled_rollout_scan_matches_eager(env_id, tmp_path, capfd, monkeypatch):
+    """--compile with an on-device env on a CPU: the whole rollout one compiled scan, the update compiled, GAE
+    kept eager (and said so). The same parameters as eager step by step from the same seed, with discrete and
+    continuous actions: both draw the rollout's random numbers up front (no fallback_random needed)."""
     monkeypatch.setattr(acceleration, "_said", set())  # said once per process: maybe before this test
+    scanned = []
+    monkeypatch.setattr(ppo, "make_scanned_rollout",
+                        lambda *a, make=ppo.make_scanned_rollout: scanned.append(1) or make(*a))
     torch._dynamo.reset()
     agents = []
     for compile in (False, True):
-        args = ppo.Args(**{**CARTPOLE, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
+        args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
                            "total_timesteps": 3 * 8 * 16, "run_dir": str(tmp_path / str(compile)), "compile": compile})
         agents.append(ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu")).agent)
+    assert scanned == [1]  # the compiled run, only
     for (name, e), c in zip(agents[0].named_parameters(), agents[1].parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
     assert "--compile keeps GAE" in capfd.readouterr().err
