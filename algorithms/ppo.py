@@ -425,7 +425,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     # With --graph-iteration the phases are only compiled: one outer graph captures them all.
     wrap["cudagraphs"] = args.cudagraphs and not args.graph_iteration
     act, get_value = make_acting(agent_inference, envs, args, wrap)
-    if envs.on_device and wrap["compile"] and device.type == "cpu":
+    if envs.on_device and wrap["compile"] and torch.device(device).type == "cpu":
         collect = make_scanned_rollout(agent_inference, envs, get_value, args, wrap)
     else:
         collect = functools.partial(rollout, act, get_value, envs, args=args)
