@@ -75,8 +75,7 @@ STEPS_PER_BATCH = NUM_ENVS * NUM_STEPS  # env steps per collector batch: the pla
 def ppo_args(collectors, max_lag, epochs, total, run_dir="runs"):
     return ppo_async.Args(env_id=ENV_ID, seed=1, num_envs=NUM_ENVS, num_steps=NUM_STEPS, num_minibatches=1,
                           update_epochs=epochs, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0,
-                          clip_coef=0.2,
-                          total_timesteps=total, log_every=1, checkpoint_every=0, progress=False,
+                          clip_coef=0.2, total_timesteps=total, log_every=1, checkpoint_every=0, progress=False,
                           run_dir=run_dir, async_=True, num_collectors=collectors, max_lag=max_lag,
                           correction="decoupled", transport="processes")
 

@@ -194,7 +194,6 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
 
 
-@torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
 @pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
 def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path, monkeypatch):
     """--graph-iteration (rollout on the on-device env, GAE and every epoch in one graph, phases compiled)
