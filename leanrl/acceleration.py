@@ -7,6 +7,7 @@ import sys
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import CudaGraphModule
+from torch.optim.adam import adam  # the functional Adam: a scan's body traces it (torch.optim.adam.adam does not)
 
 # Calls before the steady state: CudaGraphModule's warm-up calls before capture (the first one compiles), and the
 # Logger's burn-in iterations before its SPS clock starts. Read everywhere from here.
@@ -27,6 +28,8 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     """
     name = name or getattr(fn, "__name__", "fn")
     if compile:
+        if torch.device(device).type == "cpu":
+            _trust_vec_isa_probed_before()
         fn = torch.compile(fn, **(compile_kwargs or {}))
     if not cudagraphs:
         return fn
@@ -38,12 +41,83 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     return ShapeGuard(fn, name)
 
 
+@functools.cache
+def _trust_vec_isa_probed_before():
+    """Inductor checks at every start that C++ for each vector ISA the CPU claims (AVX2, AVX-512, AMX) builds and
+    loads, dlopening a test library in a new Python per ISA: about 1 s of every compiled run's start-up on a 2-core
+    CPU, for an answer that belongs to the machine and the torch build. The first run in an inductor cache does the
+    check and records it there when every claimed ISA passed; later runs trust it (cpp.vec_isa_ok, as
+    TORCHINDUCTOR_VEC_ISA_OK=1 would, which still decides when set). Every run then compiles with the same setting,
+    so inductor's cache keys, which include it, stay the same."""
+    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if config.cpp.vec_isa_ok is not None:
+        return
+    with config.patch({"cpp.vec_isa_ok": True}):
+        claimed = "\n".join(str(isa) for isa in cpu_vec_isa.valid_vec_isa_list.__wrapped__())
+    record = os.path.join(cache_dir(), f"leanrl-vec-isa-ok-{torch.__version__}")
+    try:
+        with open(record) as f:
+            recorded = f.read()
+    except FileNotFoundError:
+        recorded = None
+    if recorded != claimed:
+        if "\n".join(str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()) != claimed:  # the check, as inductor's
+            return
+        os.makedirs(cache_dir(), exist_ok=True)
+        with open(f"{record}.{os.getpid()}", "w") as f:
+            f.write(claimed)
+        os.replace(f"{record}.{os.getpid()}", record)
+    config.cpp.vec_isa_ok = True
+
+
 def make_adam(params, lr: float, *, compile: bool, cudagraphs: bool, device, **kwargs) -> torch.optim.Adam:
     """Adam with a tensor learning rate, so an annealed or restored rate reaches a captured graph (it is changed
     in place). Eager runs the fused kernel (about 3x the default on CPU); compile generates its own; graphs
     without compile need `capturable`."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), capturable=cudagraphs and not compile,
                             fused=not compile, **kwargs)
+
+
+class ScannableAdam:
+    """An Adam made by `make_adam`, stepped as a pure function inside a compiled scan over updates (a scan's body
+    may not write to what it closes over). The scan carries (parameters, exp_avg, exp_avg_sq, step), dicts by
+    parameter name: `carry()` reads them, `step(carry, grads, lr)` returns the next with torch's own Adam applied
+    to copies, and `load(carry)` writes the last one back in place, so the module, checkpoints and an eager step
+    afterwards see one optimizer."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Adam):
+        (group,) = optimizer.param_groups
+        self.params, self.state = dict(module.named_parameters()), optimizer.state
+        self.hyper = dict(amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                          weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        if group["amsgrad"]:
+            raise ValueError("ScannableAdam: amsgrad is not supported")
+
+    def carry(self) -> tuple:
+        for p in self.params.values():
+            if not self.state[p]:  # torch's Adam makes its state at its first step
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                     exp_avg_sq=torch.zeros_like(p))
+        state = {name: self.state[p] for name, p in self.params.items()}
+        return ({name: p.detach() for name, p in self.params.items()}, {n: s["exp_avg"] for n, s in state.items()},
+                {n: s["exp_avg_sq"] for n, s in state.items()}, next(iter(state.values()))["step"])
+
+    def step(self, carry: tuple, grads: dict, lr: torch.Tensor) -> tuple:
+        params, exp_avgs, exp_avg_sqs = ({n: x.clone() for n, x in d.items()} for d in carry[:3])
+        steps = [carry[3].clone() for _ in params]
+        adam(list(params.values()), [grads[n] for n in params], list(exp_avgs.values()), list(exp_avg_sqs.values()),
+             [], steps, foreach=False, capturable=torch.compiler.is_compiling(), lr=lr, **self.hyper)
+        return params, exp_avgs, exp_avg_sqs, steps[0]
+
+    @torch.no_grad()
+    def load(self, carry: tuple) -> None:
+        params, exp_avgs, exp_avg_sqs, step = carry
+        for name, p in self.params.items():
+            p.copy_(params[name])
+            for key, value in (("exp_avg", exp_avgs[name]), ("exp_avg_sq", exp_avg_sqs[name]), ("step", step)):
+                self.state[p][key].copy_(value)
 
 
 def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:

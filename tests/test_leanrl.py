@@ -167,3 +167,56 @@ def test_load_optimizer_state_keeps_the_tensor_learning_rate():
     leanrl.load_optimizer_state(fresh, saved)
     assert fresh.param_groups[0]["lr"] is fresh_lr and float(fresh_lr) == pytest.approx(5e-4)
     assert torch.equal(fresh.state[w]["exp_avg"], opt.state[w]["exp_avg"]) and lr is not fresh_lr
+
+
+def test_vec_isa_check_runs_once_per_inductor_cache(tmp_path, monkeypatch):
+    """The first compiled run in a cache checks the CPU's vector ISAs as inductor would, and records the answer;
+    later runs trust it without the check, and check again when the record no longer matches the CPU's claim."""
+    from torch._inductor import config, cpu_vec_isa
+    real = cpu_vec_isa.valid_vec_isa_list
+    checks = []
+
+    def valid_vec_isa_list():  # inductor's check, counted
+        checks.append(1)
+        return real()
+
+    valid_vec_isa_list.__wrapped__ = real.__wrapped__
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    passed = [str(isa) for isa in real()]
+    with config.patch({"cpp.vec_isa_ok": True}):
+        claimed = [str(isa) for isa in real.__wrapped__()]
+    record = tmp_path / f"leanrl-vec-isa-ok-{torch.__version__}"
+    for expect_check in (True, False, "tampered"):
+        if expect_check == "tampered":
+            record.write_text("avx2")
+        monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+        checks.clear()
+        acceleration._trust_vec_isa_probed_before.__wrapped__()
+        assert bool(checks) == (expect_check is not False)
+        assert config.cpp.vec_isa_ok is (True if passed == claimed else None)
+        assert record.exists() == (passed == claimed)
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # TORCHINDUCTOR_VEC_ISA_OK=0: the user decides
+    acceleration._trust_vec_isa_probed_before.__wrapped__()
+    assert config.cpp.vec_isa_ok is False
+
+
+def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
+    torch.manual_seed(0)
+    modules = [torch.nn.Linear(3, 2) for _ in range(2)]
+    modules[1].load_state_dict(modules[0].state_dict())
+    opts = [leanrl.make_adam(m.parameters(), 1e-2, eps=1e-5, compile=c, cudagraphs=False, device="cpu")
+            for m, c in zip(modules, (False, True))]
+    adam = leanrl.ScannableAdam(modules[1], opts[1])
+    x = torch.randn(5, 3)
+    for _ in range(3):
+        opts[0].zero_grad()
+        modules[0](x).square().sum().backward()
+        opts[0].step()
+        carry = adam.carry()
+        grads = torch.func.grad(lambda p: torch.func.functional_call(modules[1], p, (x,)).square().sum())(carry[0])
+        adam.load(adam.step(carry, grads, opts[1].param_groups[0]["lr"]))
+    for (name, p), q in zip(modules[0].named_parameters(), modules[1].parameters()):
+        torch.testing.assert_close(q, p, msg=name)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opts[1].state[q][key], opts[0].state[p][key], msg=key)

@@ -1,5 +1,6 @@
 """PPO's math against references, optimized paths against eager, and learning on the on-device CartPole."""
 
+import functools
 import os
 import signal
 
@@ -7,6 +8,7 @@ import gymnasium as gym
 import pytest
 import torch
 import torch._inductor.config
+from tensordict import TensorDict
 from torch.distributions import Categorical, Normal
 
 import leanrl
@@ -127,6 +129,40 @@ def test_compiled_update_matches_eager_after_k_steps(continuous):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("continuous", [False, True])
+def test_scanned_update_epochs_match_eager(continuous):
+    """Every epoch's updates as one compiled scan (CPU, --compile) against eager update calls, over two batches with
+    a learning rate changed between them: the same outputs, parameters and Adam state, and an eager update after
+    the scan continues from the state it wrote back."""
+    args = ppo.Args(num_envs=4, num_steps=32, num_minibatches=4, update_epochs=3, compile=True)
+    torch.manual_seed(1)
+    B = args.num_envs * args.num_steps
+    batches = [TensorDict(obs=torch.randn(B, 4), actions=torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,)),
+                          logprobs=torch.randn(B) * 0.1 - 1, advantages=torch.randn(B), returns=torch.randn(B),
+                          values=torch.randn(B), batch_size=[B]) for _ in range(3)]
+    results = []
+    for scanned in (False, True):
+        torch.manual_seed(0)
+        agent = ppo.make_agent(BOX4, gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3))
+        optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=scanned, cudagraphs=False,
+                                     device="cpu")
+        update = ppo.make_update(agent, optimizer, args)
+        learn = (ppo.make_scanned_update(agent, optimizer, args, dict(compile=True, cudagraphs=False, device="cpu"))
+                 if scanned else functools.partial(ppo.update_epochs, update, args=args))
+        torch.manual_seed(2)
+        outs = [learn(batches[0])]
+        optimizer.param_groups[0]["lr"].fill_(3e-4)
+        outs.append(learn(batches[1]))
+        outs.append(ppo.update_epochs(update, batches[2], args))  # eager, from the state the scan left
+        results.append((outs, agent, optimizer))
+    (eager_outs, eager_agent, eager_opt), (scan_outs, scan_agent, scan_opt) = results
+    torch.testing.assert_close(scan_outs, eager_outs, rtol=1e-4, atol=1e-5)
+    for (name, e), c in zip(eager_agent.named_parameters(), scan_agent.parameters()):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(scan_opt.state[c][key], eager_opt.state[e][key], rtol=1e-4, atol=1e-6)
+
+
 @torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
 def test_compiled_policy_matches_eager():
     agent = ppo.make_agent(BOX4, gym.spaces.Discrete(3))
@@ -224,7 +260,7 @@ def test_scanned_rollout_stores_what_the_eager_rollout_stores(env_id):
         storage, next_obs = ppo.make_storage(envs, args, cpu), envs.reset(seed=3)
         wrap = dict(compile=scanned, cudagraphs=False, device=cpu)
         act, get_value = ppo.make_acting(agent, envs, args, wrap)
-        collect = (ppo.make_scanned_rollout(agent, envs, get_value, args, wrap) if scanned else
+        collect = (ppo.make_scanned_rollout(agent, envs, args, wrap) if scanned else
                    lambda next_obs, storage: ppo.rollout(act, get_value, envs, next_obs, storage, args))
         next_values, terminated = collect(next_obs, storage)
         results.append((storage, next_values, terminated, next_obs, envs.state_dict()))
@@ -237,20 +273,20 @@ def test_scanned_rollout_stores_what_the_eager_rollout_stores(env_id):
 
 @pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
 def test_compiled_rollout_scan_matches_eager(env_id, tmp_path, capfd, monkeypatch):
-    """--compile with an on-device env on a CPU: the whole rollout one compiled scan, the update compiled, GAE
-    kept eager (and said so). The same parameters as eager step by step from the same seed, with discrete and
-    continuous actions: both draw the rollout's random numbers up front (no fallback_random needed)."""
+    """--compile with an on-device env on a CPU: the whole rollout one compiled scan, every epoch's updates
+    another, GAE kept eager (and said so). The same parameters as eager step by step from the same seed, with
+    discrete and continuous actions: both draw the rollout's random numbers up front (no fallback_random needed)."""
     monkeypatch.setattr(acceleration, "_said", set())  # said once per process: maybe before this test
     scanned = []
-    monkeypatch.setattr(ppo, "make_scanned_rollout",
-                        lambda *a, make=ppo.make_scanned_rollout: scanned.append(1) or make(*a))
+    for name in ("make_scanned_rollout", "make_scanned_update"):
+        monkeypatch.setattr(ppo, name, lambda *a, make=getattr(ppo, name), name=name: scanned.append(name) or make(*a))
     torch._dynamo.reset()
     agents = []
     for compile in (False, True):
         args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
                            "total_timesteps": 3 * 8 * 16, "run_dir": str(tmp_path / str(compile)), "compile": compile})
         agents.append(ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu")).agent)
-    assert scanned == [1]  # the compiled run, only
+    assert scanned == ["make_scanned_rollout", "make_scanned_update"]  # the compiled run, only
     for (name, e), c in zip(agents[0].named_parameters(), agents[1].parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
     assert "--compile keeps GAE" in capfd.readouterr().err
