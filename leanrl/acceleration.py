@@ -89,18 +89,18 @@ class ScannableAdam:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Adam):
         (group,) = optimizer.param_groups
-        self.params, self.state = dict(module.named_parameters()), optimizer.state
+        self.params, self.optimizer = dict(module.named_parameters()), optimizer
         self.hyper = dict(amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
                           weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
         if group["amsgrad"]:
             raise ValueError("ScannableAdam: amsgrad is not supported")
 
     def carry(self) -> tuple:
+        state = self.optimizer.state  # read at every call: loading a checkpoint replaces it
         for p in self.params.values():
-            if not self.state[p]:  # torch's Adam makes its state at its first step
-                self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                     exp_avg_sq=torch.zeros_like(p))
-        state = {name: self.state[p] for name, p in self.params.items()}
+            if not state[p]:  # torch's Adam makes its state at its first step
+                state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        state = {name: state[p] for name, p in self.params.items()}
         return ({name: p.detach() for name, p in self.params.items()}, {n: s["exp_avg"] for n, s in state.items()},
                 {n: s["exp_avg_sq"] for n, s in state.items()}, next(iter(state.values()))["step"])
 
@@ -117,7 +117,7 @@ class ScannableAdam:
         for name, p in self.params.items():
             p.copy_(params[name])
             for key, value in (("exp_avg", exp_avgs[name]), ("exp_avg_sq", exp_avg_sqs[name]), ("step", step)):
-                self.state[p][key].copy_(value)
+                self.optimizer.state[p][key].copy_(value)
 
 
 def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:

@@ -1,5 +1,6 @@
 """The shared core: accelerate, the shape guard, the sync-free logger and checkpoints."""
 
+import copy
 import json
 import os
 
@@ -202,6 +203,7 @@ def test_vec_isa_check_runs_once_per_inductor_cache(tmp_path, monkeypatch):
 
 
 def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
+    """Including after a checkpoint's optimizer state is loaded (it replaces the optimizer's state dict)."""
     torch.manual_seed(0)
     modules = [torch.nn.Linear(3, 2) for _ in range(2)]
     modules[1].load_state_dict(modules[0].state_dict())
@@ -209,7 +211,9 @@ def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
             for m, c in zip(modules, (False, True))]
     adam = leanrl.ScannableAdam(modules[1], opts[1])
     x = torch.randn(5, 3)
-    for _ in range(3):
+    for i in range(4):
+        if i == 2:  # a resumed run: the state loaded after the ScannableAdam was made is the one it steps from
+            leanrl.load_optimizer_state(opts[1], copy.deepcopy(opts[0].state_dict()))
         opts[0].zero_grad()
         modules[0](x).square().sum().backward()
         opts[0].step()

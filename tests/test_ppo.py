@@ -201,8 +201,9 @@ def run_cartpole(tmp_path, on_iteration=None, **kw):
     return ppo.train(args, envs, torch.device("cpu"), on_iteration=on_iteration)
 
 
-def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
-    full = run_cartpole(tmp_path / "full", total_timesteps=4096)
+@pytest.mark.parametrize("compile", [False, True])  # compiled on a CPU: the scanned rollout and update
+def test_checkpoint_then_resume_equals_an_uninterrupted_run(compile, tmp_path):
+    full = run_cartpole(tmp_path / "full", total_timesteps=4096, compile=compile)
 
     # The same schedule, stopped after two iterations by a SIGTERM (as `kill` would), then resumed.
     def sigterm_after_two(iteration, global_step):
@@ -210,10 +211,10 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
 
     with pytest.raises(KeyboardInterrupt):
-        run_cartpole(tmp_path / "part", total_timesteps=4096, on_iteration=sigterm_after_two)
+        run_cartpole(tmp_path / "part", total_timesteps=4096, on_iteration=sigterm_after_two, compile=compile)
     (ckpt,) = (tmp_path / "part").glob("*/checkpoint.pt")
     assert torch.load(ckpt, weights_only=False)["iteration"] == 2
-    resumed = run_cartpole(tmp_path / "part", total_timesteps=4096, resume=str(ckpt))
+    resumed = run_cartpole(tmp_path / "part", total_timesteps=4096, resume=str(ckpt), compile=compile)
     assert (resumed.iteration, resumed.global_step) == (full.iteration, full.global_step) == (4, 4096)
     for (name, a), b in zip(full.agent.named_parameters(), resumed.agent.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
