@@ -343,7 +343,7 @@ def make_scanned_update(agent, optimizer, args: Args, wrap: dict):
     At CleanRL's CartPole settings (16 updates of 128 per iteration), one thread, cpu-2core-intel-xeon: 5.5 ms
     scanned, 19.5 ms in one compiled call per update, 27 ms eager. For the MLP agents only: the Atari CNN's 4
     updates of 256 took 394 ms scanned against 289 ms in one compiled call each (418 ms eager)."""
-    adam = leanrl.ScannableAdam(agent, optimizer)
+    adam = leanrl.ScannableAdam(dict(agent.named_parameters()), optimizer)
 
     def loss(params, mb):  # `ppo_loss` of the parameters the scan carries, swapped into `agent` for the call
         with torch.nn.utils.stateless._reparametrize_module(agent, params):

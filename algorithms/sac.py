@@ -14,6 +14,7 @@ Bootstrapping: a transition stores the true next observation (the env's `final_o
 from `truncated`; the target cuts the bootstrap only on termination, so a time limit bootstraps.
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import from_module, from_modules
+from torch.func import functional_call
 
 import leanrl
 from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, make_replay_buffer,
@@ -120,10 +122,11 @@ class Actor(nn.Module):
         return self.fc_mean(x), log_std
 
 
-def sample_action(actor, obs):
+def sample_action(actor, obs, actor_params=None):
     """A reparameterized tanh-Gaussian action in the env's bounds and its log-probability (with the change of
-    variables of tanh and of the rescaling, as CleanRL)."""
-    mean, log_std = actor(obs)
+    variables of tanh and of the rescaling, as CleanRL). `actor_params`: the weights to use, by name, when a
+    gradient step passes them (else the actor's own)."""
+    mean, log_std = actor(obs) if actor_params is None else functional_call(actor, actor_params, (obs,))
     eps = torch.randn_like(mean)
     x_t = mean + log_std.exp() * eps
     y_t = torch.tanh(x_t)
@@ -157,10 +160,10 @@ CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losse
 ACTOR_METRICS = ("losses/actor_loss", "losses/alpha_loss", "losses/alpha")
 
 
-def make_update_critic(actor, twin_q, q_params, q_online, q_target, log_alpha, optimizer, args: Args):
-    """The critic step, then the target critic moves with ONE lerp_ in place (every step, as CleanRL)."""
+def make_critic_loss(actor, twin_q, q_target, log_alpha, args: Args):
+    """`critic_loss(q_params, obs, actions, rewards, next_obs, terminated) -> (loss, CRITIC_METRICS)`."""
 
-    def update_critic(obs, actions, rewards, next_obs, terminated):
+    def critic_loss(q_params, obs, actions, rewards, next_obs, terminated):
         alpha = log_alpha.detach().exp()
         with torch.no_grad():
             next_actions, next_log_pi = sample_action(actor, next_obs)
@@ -169,37 +172,56 @@ def make_update_critic(actor, twin_q, q_params, q_online, q_target, log_alpha, o
         q = twin_q(q_params, obs, actions)  # (2, batch)
         qf_losses = ((q - target) ** 2).mean(-1)
         loss = qf_losses.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        q_target.lerp_(q_online, args.tau)  # target <- (1 - tau) target + tau online, at the same addresses
         q = q.detach().mean(-1)
-        return torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+        return loss, torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+
+    return critic_loss
+
+
+def make_update_critic(critic_step, q_online, q_target, tau: float):
+    """The critic's gradient step, then the target critic moves with ONE lerp_ in place (every step, as CleanRL)."""
+
+    def update_critic(obs, actions, rewards, next_obs, terminated):
+        metrics = critic_step(obs, actions, rewards, next_obs, terminated)
+        q_target.lerp_(q_online, tau)  # target <- (1 - tau) target + tau online, at the same addresses
+        return metrics
 
     return update_critic
 
 
-def make_update_actor(actor, twin_q, q_online, log_alpha, actor_optimizer, alpha_optimizer, target_entropy: float):
-    """The actor step against the smaller of the two critics; with autotune, then the temperature step."""
+def make_actor_loss(actor, twin_q, q_online, log_alpha):
+    """`actor_loss(actor_params, obs) -> (loss, loss)`: the actor against the smaller of the two critics."""
+
+    def actor_loss(actor_params, obs):
+        alpha = log_alpha.detach().exp()
+        pi, log_pi = sample_action(actor, obs, actor_params)
+        min_q = twin_q(q_online, obs, pi).min(0).values
+        loss = (alpha * log_pi - min_q).mean()
+        return loss, loss.detach()
+
+    return actor_loss
+
+
+def make_alpha_loss(actor, target_entropy: float):
+    """`alpha_loss({"log_alpha": log_alpha}, obs) -> (loss, loss)`: the temperature step of autotune, at a fresh
+    action of the actor just updated."""
+
+    def alpha_loss(alpha_params, obs):
+        with torch.no_grad():
+            _, log_pi = sample_action(actor, obs)
+        loss = (-alpha_params["log_alpha"].exp() * (log_pi + target_entropy)).mean()
+        return loss, loss.detach()
+
+    return alpha_loss
+
+
+def make_update_actor(actor_step, alpha_step, log_alpha):
+    """The actor's gradient step; with autotune, then the temperature's (`alpha_step`, else False)."""
 
     def update_actor(obs):
-        alpha = log_alpha.detach().exp()
-        pi, log_pi = sample_action(actor, obs)
-        min_q = twin_q(q_online, obs, pi).min(0).values
-        actor_loss = (alpha * log_pi - min_q).mean()
-        actor_optimizer.zero_grad()
-        actor_loss.backward()
-        actor_optimizer.step()
-        if alpha_optimizer is None:
-            alpha_loss = torch.zeros_like(actor_loss)
-        else:
-            with torch.no_grad():
-                _, log_pi = sample_action(actor, obs)
-            alpha_loss = (-log_alpha.exp() * (log_pi + target_entropy)).mean()
-            alpha_optimizer.zero_grad()
-            alpha_loss.backward()
-            alpha_optimizer.step()
-        return torch.stack([actor_loss.detach(), alpha_loss.detach(), log_alpha.detach().exp()])
+        actor_loss = actor_step(obs)
+        alpha_loss = alpha_step(obs) if alpha_step else torch.zeros_like(actor_loss)
+        return torch.stack([actor_loss, alpha_loss, log_alpha.detach().exp()])
 
     return update_actor
 
@@ -224,10 +246,14 @@ class SAC:
                                      as_module=True)
         self.q_online = self.q_params.data  # the same storage, without autograd
         self.q_target = self.q_online.clone()
-        _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"))
 
-        wrap = leanrl.wrap_flags(args, device, eager_on_cpu="SAC's policy and updates: compiled, they measured "
-                                 "0.76-0.93x eager at batch 256 on 2-core CPUs")
+        wrap = leanrl.wrap_flags(args, device)
+        # On a CPU, --compile makes each gradient step ONE compiled graph (`leanrl.gradient_step`); the policy, one
+        # observation at a time, stays eager there.
+        one_graph = wrap["compile"] and torch.device(device).type == "cpu"
+        policy_wrap = leanrl.wrap_flags(args, device, eager_on_cpu="SAC's policy: compiled, it measured 0.93x eager "
+                                        "at batch 1 on a 2-core CPU")
+        _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"), looped=one_graph)
         # Temperature: log_alpha is learned (autotune) or a constant.
         self.target_entropy = -float(self.action_dim)
         if args.autotune:
@@ -236,16 +262,23 @@ class SAC:
         else:
             self.log_alpha = torch.tensor(math.log(args.alpha) if args.alpha > 0 else -math.inf, device=device)
             self.alpha_optimizer = None
-        self.q_optimizer = leanrl.make_adam(list(self.q_params.values(True, True)), args.q_lr, **wrap)
-        self.actor_optimizer = leanrl.make_adam(list(self.actor.parameters()), args.policy_lr, **wrap)
+        q_named, actor_named = dict(self.q_params.named_parameters()), dict(self.actor.named_parameters())
+        self.q_optimizer = leanrl.make_adam(list(q_named.values()), args.q_lr, **wrap)
+        self.actor_optimizer = leanrl.make_adam(list(actor_named.values()), args.policy_lr, **wrap)
 
-        self.policy = leanrl.accelerate(make_policy(self.actor_inference), name="policy", **wrap)
-        self.update_critic = leanrl.accelerate(
-            make_update_critic(self.actor, self.twin_q, self.q_params, self.q_online, self.q_target, self.log_alpha,
-                               self.q_optimizer, args), name="update_critic", **wrap)
-        self.update_actor = leanrl.accelerate(
-            make_update_actor(self.actor, self.twin_q, self.q_online, self.log_alpha, self.actor_optimizer,
-                              self.alpha_optimizer, self.target_entropy), name="update_actor", **wrap)
+        self.policy = leanrl.accelerate(make_policy(self.actor_inference), name="policy", **policy_wrap)
+        step = functools.partial(leanrl.gradient_step, one_graph=one_graph)
+        critic_step = step(make_critic_loss(self.actor, self.twin_q, self.q_target, self.log_alpha, args), q_named,
+                           self.q_optimizer, name="critic_step")
+        actor_step = step(make_actor_loss(self.actor, self.twin_q, self.q_online, self.log_alpha), actor_named,
+                          self.actor_optimizer, name="actor_step")
+        alpha_step = args.autotune and step(make_alpha_loss(self.actor, self.target_entropy),
+                                            {"log_alpha": self.log_alpha}, self.alpha_optimizer, name="alpha_step")
+        wrap["compile"] &= not one_graph  # one graph per step is compiled already
+        self.update_critic = leanrl.accelerate(make_update_critic(critic_step, self.q_online, self.q_target, args.tau),
+                                               name="update_critic", **wrap)
+        self.update_actor = leanrl.accelerate(make_update_actor(actor_step, alpha_step, self.log_alpha),
+                                              name="update_actor", **wrap)
 
     def random_actions(self, n: int):
         """Uniform in the action bounds, drawn with torch on the run's device."""

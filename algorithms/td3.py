@@ -1,9 +1,10 @@
 """TD3 (Fujimoto et al., 2018) with CleanRL's implementation details.
 
 Read top to bottom: arguments, networks, the twin critic (both Q networks in ONE stacked parameter
-TensorDict, evaluated with one `torch.vmap` call), the targets, the three functions `leanrl.accelerate`
-compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor`), the learner that builds them once, and
-`train`: CleanRL's loop, with the policy delay. The file imports only leanrl, torch and tensordict. From
+TensorDict, evaluated with one `torch.vmap` call; two calls in a CPU's one-graph steps), the targets, the
+losses, the three functions `leanrl.accelerate` compiles and CUDA-graphs (`policy`, `update_critic`,
+`update_actor`: the losses' gradient steps), the learner that builds them once, and `train`: CleanRL's loop,
+with the policy delay. The file imports only leanrl, torch and tensordict. From
 leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints, `evaluate`) and `leanrl.offpolicy`
 (argument checks, torchrl's replay buffer and its checkpoint). Environments are passed in: a vector env whose
 step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import TensorDict, from_module, from_modules
+from torch.func import functional_call
 
 import leanrl
 from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, make_replay_buffer,
@@ -134,8 +136,10 @@ CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losse
 ACTOR_METRICS = ("losses/actor_loss",)
 
 
-def make_update_critic(actor_target, twin_q, q_params, q_target, optimizer, args: Args, low, high):
-    def update_critic(obs, actions, rewards, next_obs, terminated):
+def make_critic_loss(actor_target, twin_q, q_target, args: Args, low, high):
+    """`critic_loss(q_params, obs, actions, rewards, next_obs, terminated) -> (loss, CRITIC_METRICS)`."""
+
+    def critic_loss(q_params, obs, actions, rewards, next_obs, terminated):
         with torch.no_grad():
             next_actions = smoothed_target_actions(
                 actor_target(next_obs), torch.randn_like(actions), policy_noise=args.policy_noise,
@@ -144,25 +148,29 @@ def make_update_critic(actor_target, twin_q, q_params, q_target, optimizer, args
         q = twin_q(q_params, obs, actions)  # (2, batch)
         qf_losses = ((q - target) ** 2).mean(-1)
         loss = qf_losses.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
         q = q.detach().mean(-1)
-        return torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+        return loss, torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
 
-    return update_critic
+    return critic_loss
 
 
-def make_update_actor(actor, q_value, q1_params, targets, online, optimizer, tau: float):
-    """The delayed step: the actor climbs the first critic, then every target moves with ONE lerp_ in place."""
+def make_actor_loss(actor, q_value, q1_params):
+    """`actor_loss(actor_params, obs) -> (loss, ACTOR_METRICS)`: the actor climbs the first critic."""
+
+    def actor_loss(actor_params, obs):
+        loss = -q_value(q1_params, obs, functional_call(actor, actor_params, (obs,))).mean()
+        return loss, loss.detach()[None]
+
+    return actor_loss
+
+
+def make_update_actor(actor_step, targets, online, tau: float):
+    """The delayed step: the actor's gradient step, then every target moves with ONE lerp_ in place."""
 
     def update_actor(obs):
-        actor_loss = -q_value(q1_params, obs, actor(obs)).mean()
-        optimizer.zero_grad()
-        actor_loss.backward()
-        optimizer.step()
+        metrics = actor_step(obs)
         targets.lerp_(online, tau)  # target <- (1 - tau) target + tau online, at the same addresses
-        return actor_loss.detach()[None]
+        return metrics
 
     return update_actor
 
@@ -186,26 +194,34 @@ class TD3:
         # Twin critic: the weights of both networks stacked in one TensorDict (leading dim 2).
         self.q_params = from_modules(*(QNetwork(obs_dim, self.action_dim, H, device) for _ in range(2)), as_module=True)
         self.qnet = QNetwork(obs_dim, self.action_dim, H, "meta")
-        self.q_value, self.twin_q = make_twin_q(self.qnet)
         # Targets: one TensorDict holding copies of both, moved by one lerp_ (see make_update_actor).
         self.online = TensorDict(actor=from_module(self.actor).data, q=self.q_params.data)
         self.targets = self.online.clone()
         self.actor_target = Actor(obs_dim, act_space, H, "meta")
         self.targets["actor"].to_module(self.actor_target)
 
-        wrap = leanrl.wrap_flags(args, device, eager_on_cpu="TD3's policy and updates: compiled, they measured "
-                                 "0.58-0.90x eager at batch 256 on 2-core CPUs")
-        self.q_optimizer = leanrl.make_adam(list(self.q_params.values(True, True)), args.learning_rate, **wrap)
-        self.actor_optimizer = leanrl.make_adam(list(self.actor.parameters()), args.learning_rate, **wrap)
+        wrap = leanrl.wrap_flags(args, device)
+        # On a CPU, --compile makes each gradient step ONE compiled graph (`leanrl.gradient_step`); the policy, one
+        # observation at a time, stays eager there.
+        one_graph = wrap["compile"] and torch.device(device).type == "cpu"
+        policy_wrap = leanrl.wrap_flags(args, device, eager_on_cpu="TD3's policy: compiled, it measured 0.58x eager "
+                                        "at batch 1 on a 2-core CPU")
+        q_named, actor_named = dict(self.q_params.named_parameters()), dict(self.actor.named_parameters())
+        self.q_optimizer = leanrl.make_adam(list(q_named.values()), args.learning_rate, **wrap)
+        self.actor_optimizer = leanrl.make_adam(list(actor_named.values()), args.learning_rate, **wrap)
+        self.q_value, self.twin_q = make_twin_q(self.qnet, looped=one_graph)
 
         self.policy = leanrl.accelerate(make_policy(self.actor_inference, args.exploration_noise, self.low, self.high),
-                                        name="policy", **wrap)
-        self.update_critic = leanrl.accelerate(
-            make_update_critic(self.actor_target, self.twin_q, self.q_params, self.targets["q"], self.q_optimizer,
-                               args, self.low, self.high), name="update_critic", **wrap)
-        self.update_actor = leanrl.accelerate(
-            make_update_actor(self.actor, self.q_value, self.q_params.data[0], self.targets, self.online,
-                              self.actor_optimizer, args.tau), name="update_actor", **wrap)
+                                        name="policy", **policy_wrap)
+        critic_step = leanrl.gradient_step(
+            make_critic_loss(self.actor_target, self.twin_q, self.targets["q"], args, self.low, self.high), q_named,
+            self.q_optimizer, one_graph=one_graph, name="update_critic")
+        actor_step = leanrl.gradient_step(make_actor_loss(self.actor, self.q_value, self.q_params.data[0]),
+                                          actor_named, self.actor_optimizer, one_graph=one_graph, name="update_actor")
+        wrap["compile"] &= not one_graph  # one graph per step is compiled already
+        self.update_critic = leanrl.accelerate(critic_step, name="update_critic", **wrap)
+        self.update_actor = leanrl.accelerate(make_update_actor(actor_step, self.targets, self.online, args.tau),
+                                              name="update_actor", **wrap)
 
     def random_actions(self, n: int):
         """Uniform in the action bounds, drawn with torch on the run's device."""

@@ -81,15 +81,15 @@ def make_adam(params, lr: float, *, compile: bool, cudagraphs: bool, device, **k
 
 
 class ScannableAdam:
-    """An Adam made by `make_adam`, stepped as a pure function inside a compiled scan over updates (a scan's body
-    may not write to what it closes over). The scan carries (parameters, exp_avg, exp_avg_sq, step), dicts by
-    parameter name: `carry()` reads them, `step(carry, grads, lr)` returns the next with torch's own Adam applied
-    to copies, and `load(carry)` writes the last one back in place, so the module, checkpoints and an eager step
-    afterwards see one optimizer."""
+    """An Adam made by `make_adam` over `params` (its parameters by name), stepped as a pure function inside one
+    compiled graph or a compiled scan over updates (a scan's body may not write to what it closes over). The carry
+    is (parameters, exp_avg, exp_avg_sq, step), dicts by parameter name: `carry()` reads them, `step(carry, grads,
+    lr)` returns the next with torch's own Adam applied to copies, and `load(carry)` writes the last one back in
+    place, so the module, checkpoints and an eager step afterwards see one optimizer."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Adam):
+    def __init__(self, params: dict, optimizer: torch.optim.Adam):
         (group,) = optimizer.param_groups
-        self.params, self.optimizer = dict(module.named_parameters()), optimizer
+        self.params, self.optimizer = params, optimizer
         self.hyper = dict(amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
                           weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
         if group["amsgrad"]:
@@ -118,6 +118,42 @@ class ScannableAdam:
             p.copy_(params[name])
             for key, value in (("exp_avg", exp_avgs[name]), ("exp_avg_sq", exp_avg_sqs[name]), ("step", step)):
                 self.optimizer.state[p][key].copy_(value)
+
+
+def gradient_step(loss, params: dict, optimizer: torch.optim.Adam, *, one_graph: bool = False,
+                  name: str = "gradient_step"):
+    """`step(*inputs)`: one optimizer step on `loss(params, *inputs) -> (loss, aux)`, where `params` are the
+    optimizer's parameters by name; returns `aux`.
+
+    Plain (backward, then the optimizer's step), for `accelerate` to compile and graph; or, `one_graph`, compiled
+    here as ONE graph, for a CPU under --compile: torch.func.grad of `loss` and torch's Adam on the parameters as
+    values (`ScannableAdam`), written back after the call. The plain step compiled is three graphs (backward and
+    the optimizer step break it), each paying guards and Python, which no CUDA graph removes on a CPU. TD3 at batch
+    256, one graph against eager, cpu-2core-intel-xeon: critic 2.3-2.5 vs 3.4-3.5 ms, actor 1.45 vs 1.93-1.98 ms."""
+    if not one_graph:
+        def step(*inputs):
+            value, aux = loss(params, *inputs)
+            optimizer.zero_grad()
+            value.backward()
+            optimizer.step()
+            return aux
+
+        return step
+
+    adam = ScannableAdam(params, optimizer)
+
+    def functional_step(carry, lr, *inputs):
+        grads, aux = torch.func.grad(loss, has_aux=True)(carry[0], *inputs)
+        return adam.step(carry, grads, lr), aux
+
+    compiled = accelerate(functional_step, compile=True, compile_kwargs=dict(fullgraph=True), name=name)
+
+    def one_graph_step(*inputs):
+        carry, aux = compiled(adam.carry(), optimizer.param_groups[0]["lr"], *inputs)
+        adam.load(carry)
+        return aux
+
+    return one_graph_step
 
 
 def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:

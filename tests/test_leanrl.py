@@ -209,7 +209,7 @@ def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
     modules[1].load_state_dict(modules[0].state_dict())
     opts = [leanrl.make_adam(m.parameters(), 1e-2, eps=1e-5, compile=c, cudagraphs=False, device="cpu")
             for m, c in zip(modules, (False, True))]
-    adam = leanrl.ScannableAdam(modules[1], opts[1])
+    adam = leanrl.ScannableAdam(dict(modules[1].named_parameters()), opts[1])
     x = torch.randn(5, 3)
     for i in range(4):
         if i == 2:  # a resumed run: the state loaded after the ScannableAdam was made is the one it steps from
@@ -224,3 +224,30 @@ def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
         torch.testing.assert_close(q, p, msg=name)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(opts[1].state[q][key], opts[0].state[p][key], msg=key)
+
+
+def test_gradient_step_plain_compiled_and_one_graph_match_eager():
+    """The plain step eager and compiled (what a GPU captures), and the one-graph step of a CPU under --compile:
+    the same parameters and Adam state after K steps."""
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+
+    def loss(params, x, y):
+        out = torch.func.functional_call(net, params, (x,))
+        value = (out - y).square().mean()
+        return value, value.detach()
+
+    results = []
+    for compile, one_graph in ((False, False), (True, False), (True, True)):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        params = dict(net.named_parameters())
+        opt = leanrl.make_adam(list(params.values()), 1e-2, compile=compile, cudagraphs=False, device="cpu")
+        step = leanrl.gradient_step(loss, params, opt, one_graph=one_graph)
+        step = step if one_graph else leanrl.accelerate(step, compile=compile)
+        outs = [step(x, y) for _ in range(4)]
+        results.append((outs, {k: v.detach().clone() for k, v in params.items()},
+                        [opt.state[p]["exp_avg"].clone() for p in params.values()]))
+    for outs, params, exp_avgs in results[1:]:
+        torch.testing.assert_close(outs, results[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(params, results[0][1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exp_avgs, results[0][2], rtol=1e-5, atol=1e-6)

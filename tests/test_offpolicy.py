@@ -66,8 +66,8 @@ def fallback_random():
 
 @pytest.fixture(autouse=True)
 def compile_on_cpu(monkeypatch):
-    """--compile keeps these algorithms eager on CPU, where compiled they are slower: these tests check the compiled
-    code itself, which runs on GPUs."""
+    """--compile keeps DQN and the policies of TD3 and SAC eager on CPU, where compiled they are slower: these tests
+    check the compiled code itself, which runs on GPUs."""
     monkeypatch.setenv("LEANRL_COMPILE_ON_CPU", "1")
 
 
@@ -456,10 +456,11 @@ def _interrupted_then_resumed(module, tmp_path, after, **kw):
     return run_pendulum(module, tmp_path, resume=str(ckpt), **kw)
 
 
+@pytest.mark.parametrize("compile", [False, True])  # compiled on a CPU: one graph per gradient step
 @pytest.mark.parametrize("module", [td3, sac])
-def test_resume_with_the_buffer_equals_an_uninterrupted_run(module, tmp_path):
-    full = run_pendulum(module, tmp_path / "full", save_buffer=True)
-    resumed = _interrupted_then_resumed(module, tmp_path / "part", after=100, save_buffer=True)
+def test_resume_with_the_buffer_equals_an_uninterrupted_run(module, compile, tmp_path):
+    full = run_pendulum(module, tmp_path / "full", save_buffer=True, compile=compile)
+    resumed = _interrupted_then_resumed(module, tmp_path / "part", after=100, save_buffer=True, compile=compile)
     assert (resumed.iteration, resumed.global_step) == (full.iteration, full.global_step) == (160, 160)
     for (name, a), b in zip(full.learner.actor.named_parameters(), resumed.learner.actor.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
