@@ -59,11 +59,14 @@ class Run:
         self.calls = self.entry.calls(self.args, self.envs, device)
         self.result = dict(status="ok", calls={})
         for fn_name, (fn, args) in self.calls.items():
-            cache = dict(counters["inductor"])
+            cache, graphs = dict(counters["inductor"]), counters["stats"]["unique_graphs"]
             first = [timed(fn, args, device) for _ in range(leanrl.WARMUP + 1)]
             c = self.result["calls"][fn_name] = dict(
                 first_calls_s=first, input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)])
-            if compile and not hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable"):
+            # compiled: the function itself, or graphs it calls (a CPU's one-graph gradient steps)
+            compiled = (hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable")
+                        or counters["stats"]["unique_graphs"] > graphs)
+            if compile and not compiled:
                 c["kept_eager"] = True  # --compile keeps it eager on this device (see leanrl.wrap_flags)
             elif compile:
                 c["compile_s"] = first[0]  # dynamo and inductor run inside the first call
