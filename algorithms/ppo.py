@@ -299,11 +299,12 @@ def update_outputs(m: dict, grad_norm) -> tuple:
             m["clipfrac"], grad_norm.detach())
 
 
-def make_update(agent, optimizer, args: Args):
-    def update(obs, actions, logprobs, advantages, returns, values):
+def make_update(agent, optimizer, args: Args, loss=ppo_loss):
+    """One gradient step on a minibatch, given as `loss`'s arguments after the agent (`ppo_loss`'s: MINIBATCH_KEYS)."""
+    def update(*minibatch):
         optimizer.zero_grad()
-        loss, m = ppo_loss(agent, obs, actions, logprobs, advantages, returns, values, **loss_coefs(args))
-        loss.backward()
+        value, m = loss(agent, *minibatch, **loss_coefs(args))
+        value.backward()
         grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
         optimizer.step()
         return update_outputs(m, grad_norm)
@@ -311,7 +312,7 @@ def make_update(agent, optimizer, args: Args):
     return update
 
 
-MINIBATCH_KEYS = ("obs", "actions", "logprobs", "advantages", "returns", "values")  # `update`'s arguments
+MINIBATCH_KEYS = ("obs", "actions", "logprobs", "advantages", "returns", "values")  # `ppo_loss`'s arguments
 
 
 def minibatches(args: Args, batch_size: int, device) -> torch.Tensor:
@@ -321,11 +322,11 @@ def minibatches(args: Args, batch_size: int, device) -> torch.Tensor:
         args.update_epochs * args.num_minibatches, -1)
 
 
-def update_epochs(update, b, args: Args) -> tuple:
+def update_epochs(update, b, args: Args, keys=MINIBATCH_KEYS) -> tuple:
     """Every epoch's minibatch updates, one call each; the last one's outputs."""
     for mb_inds in minibatches(args, b.shape[0], b.device):
         mb = b[mb_inds]
-        out = update(*(mb[key] for key in MINIBATCH_KEYS))
+        out = update(*(mb[key] for key in keys))
     return out
 
 
@@ -335,23 +336,22 @@ def update_epochs(update, b, args: Args) -> tuple:
 SCAN_OPTIONS = dict(unsafe_marked_cacheable_functions={"torch.ops.higher_order.scan": torch.__version__})
 
 
-def make_scanned_update(agent, optimizer, args: Args, wrap: dict):
+def make_scanned_update(agent, optimizer, args: Args, wrap: dict, loss=ppo_loss, keys=MINIBATCH_KEYS):
     """On a CPU under --compile: `update_epochs` as one compiled call, a scan over the minibatches that carries the
     parameters and Adam's state (`leanrl.ScannableAdam`); each step is `update`'s math written as functions:
-    torch.func.grad of the same `ppo_loss`, torch's gradient clipping, torch's Adam. One compiled `update` per
+    torch.func.grad of the same `loss`, torch's gradient clipping, torch's Adam. One compiled `update` per
     minibatch is three graphs (backward and the optimizer step break it), each paying guards and Python.
     At CleanRL's CartPole settings (16 updates of 128 per iteration), one thread, cpu-2core-intel-xeon: 5.5 ms
-    scanned, 19.5 ms in one compiled call per update, 27 ms eager. For the MLP agents only: the Atari CNN's 4
-    updates of 256 took 394 ms scanned against 289 ms in one compiled call each (418 ms eager)."""
+    scanned, 19.5 ms in one compiled call per update, 27 ms eager."""
     adam = leanrl.ScannableAdam(dict(agent.named_parameters()), optimizer)
 
-    def loss(params, mb):  # `ppo_loss` of the parameters the scan carries, swapped into `agent` for the call
+    def params_loss(params, mb):  # `loss` of the parameters the scan carries, swapped into `agent` for the call
         with torch.nn.utils.stateless._reparametrize_module(agent, params):
-            return ppo_loss(agent, *mb, **loss_coefs(args))
+            return loss(agent, *mb, **loss_coefs(args))
 
     def scan_epochs(carry, batch, minibatch_inds, lr):
         def step(carry, mb_inds):
-            grads, m = torch.func.grad(loss, has_aux=True)(carry[0], tuple(x[mb_inds] for x in batch))
+            grads, m = torch.func.grad(params_loss, has_aux=True)(carry[0], tuple(x[mb_inds] for x in batch))
             grad_norm = nn.utils.get_total_norm(grads.values())
             # nn.utils.clip_grads_with_norm_'s math, written out: its in-place scaling of torch.func's gradients
             # is lost inside a compiled scan (torch 2.13; the test against eager catches it)
@@ -365,8 +365,7 @@ def make_scanned_update(agent, optimizer, args: Args, wrap: dict):
                                 **wrap)
 
     def scanned_update_epochs(b):
-        carry, outputs = scanned(adam.carry(), tuple(b[key] for key in MINIBATCH_KEYS),
-                                 minibatches(args, b.shape[0], b.device),
+        carry, outputs = scanned(adam.carry(), tuple(b[key] for key in keys), minibatches(args, b.shape[0], b.device),
                                  optimizer.param_groups[0]["lr"])
         adam.load(carry)
         return tuple(outputs[-1])
@@ -374,7 +373,28 @@ def make_scanned_update(agent, optimizer, args: Args, wrap: dict):
     return scanned_update_epochs
 
 
+def make_learn(agent, optimizer, args: Args, wrap: dict, loss=ppo_loss, keys=MINIBATCH_KEYS):
+    """`learn(b)`: every epoch's minibatch updates on the flat batch `b`, the last one's outputs. On a CPU under
+    --compile, one scan (a CPU has no graphs: fewer, larger calls); for the MLP agents only: the Atari CNN's 4
+    updates of 256 took 394 ms scanned against 289 ms in one compiled call each (418 ms eager). Else one
+    accelerated `update` call per minibatch."""
+    if wrap["compile"] and torch.device(wrap["device"]).type == "cpu" and isinstance(agent, MLPAgent):
+        return make_scanned_update(agent, optimizer, args, wrap, loss, keys)
+    update = leanrl.accelerate(make_update(agent, optimizer, args, loss), name="update", **wrap)
+    return functools.partial(update_epochs, update, args=args, keys=keys)
+
+
 MAX_COMPILED_GAE_STEPS = 256  # longer rollouts run GAE uncompiled (still inside the CUDA graph with --cudagraphs)
+
+
+def make_gae(args: Args, wrap: dict):
+    """`gae`, accelerated. torch.compile unrolls its loop: fine at Atari's 128 steps on a GPU, but a 2048-step
+    rollout (MuJoCo) takes about 10 minutes and 800 MB to compile on CPU, for a loop that costs milliseconds eager."""
+    compile = args.num_steps <= MAX_COMPILED_GAE_STEPS and leanrl.wrap_flags(
+        args, wrap["device"], eager_on_cpu="GAE: its unrolled loop compiles in about 30 s at 128 steps on a 2-core "
+        "CPU, to save 3 ms per iteration")["compile"]
+    return leanrl.accelerate(gae, name="gae", **{**wrap, "compile": compile})
+
 
 UPDATE_METRICS = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/old_approx_kl",
                   "losses/approx_kl", "losses/clipfrac", "losses/grad_norm", "losses/explained_variance")
@@ -493,22 +513,12 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     # With --graph-iteration the phases are only compiled: one outer graph captures them all.
     wrap["cudagraphs"] = args.cudagraphs and not args.graph_iteration
     act, get_value = make_acting(agent_inference, envs, args, wrap)
-    scanning = wrap["compile"] and torch.device(device).type == "cpu"  # a CPU has no graphs: fewer, larger calls
-    if scanning and envs.on_device:
+    if wrap["compile"] and torch.device(device).type == "cpu" and envs.on_device:  # a CPU has no graphs: one scan
         collect = make_scanned_rollout(agent_inference, envs, args, wrap)
     else:
         collect = functools.partial(rollout, act, get_value, envs, args=args)
-    # torch.compile unrolls the GAE loop: fine at Atari's 128 steps, but a 2048-step rollout (MuJoCo) takes about
-    # 10 minutes and 800 MB to compile on CPU, for a loop that costs milliseconds eager.
-    gae_compile = args.num_steps <= MAX_COMPILED_GAE_STEPS and leanrl.wrap_flags(
-        args, device, eager_on_cpu="GAE: its unrolled loop compiles in about 30 s at 128 steps on a 2-core CPU, to "
-        "save 3 ms per iteration")["compile"]
-    gae_fn = leanrl.accelerate(gae, name="gae", **{**wrap, "compile": gae_compile})
-    if scanning and isinstance(agent, MLPAgent):
-        learn = make_scanned_update(agent, optimizer, args, wrap)
-    else:
-        learn = functools.partial(update_epochs, leanrl.accelerate(make_update(agent, optimizer, args), name="update",
-                                                                   **wrap), args=args)
+    gae_fn = make_gae(args, wrap)
+    learn = make_learn(agent, optimizer, args, wrap)
     storage = make_storage(envs, args, device)
 
     iteration = 0

@@ -1,7 +1,7 @@
 """Async PPO: collectors act with in-flight weight updates while the trainer trains, staleness bounded by `max_lag`
 (PipelineRL style), the stale data corrected (`--correction`: AReaL's decoupled PPO, PipelineRL's truncated IS, or
-none). PPO's networks, rollout and GAE are imported from `ppo.py`; this file adds the corrections, the collector
-and the trainer's loop. Depends on torch, tensordict, `leanrl` (its pipeline) and `ppo.py` beside it.
+none). PPO's networks, rollout, GAE and update epochs are imported from `ppo.py`; this file adds the corrections,
+the collector and the trainer's loop. Depends on torch, tensordict, `leanrl` (its pipeline) and `ppo.py` beside it.
 """
 
 from dataclasses import dataclass
@@ -9,7 +9,6 @@ from types import SimpleNamespace
 from typing import Literal
 
 import torch
-import torch.nn as nn
 from tensordict import from_module
 
 import leanrl
@@ -84,26 +83,23 @@ def effective_sample_size(logw):
     return w.sum() ** 2 / (w.numel() * (w**2).sum())
 
 
-def make_update(agent, optimizer, args: Args):
-    def update(obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values):
-        optimizer.zero_grad()
-        kw = dict(clip_coef=args.clip_coef, clip_vloss=args.clip_vloss, norm_adv=args.norm_adv,
-                  ent_coef=args.ent_coef, vf_coef=args.vf_coef)
-        if args.correction == "decoupled":
-            loss, m = decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages,
-                                         returns, values, is_clip=args.is_clip, **kw)
-        elif args.correction == "truncated_is":
-            loss, m = truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values,
-                                        is_clip=args.is_clip, **kw)
-        else:  # naive PPO on stale data: the behaviour policy taken as the old policy
-            loss, m = ppo.ppo_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, **kw)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-        optimizer.step()
-        return (m["pg_loss"].detach(), m["v_loss"].detach(), m["entropy"].detach(), m["old_approx_kl"],
-                m["approx_kl"], m["clipfrac"], grad_norm.detach())
+MINIBATCH_KEYS = ("obs", "actions", "logprobs", "proximal_logprobs", "advantages", "returns", "values")  # `make_loss`'s
 
-    return update
+
+def make_loss(args: Args):
+    """`--correction`'s loss of a minibatch given in MINIBATCH_KEYS order (its stored log-probs are the behaviour
+    policy's), for `ppo.make_learn`."""
+    def loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values, **coefs):
+        if args.correction == "decoupled":
+            return decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns,
+                                      values, is_clip=args.is_clip, **coefs)
+        if args.correction == "truncated_is":
+            return truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values,
+                                     is_clip=args.is_clip, **coefs)
+        # naive PPO on stale data: the behaviour policy taken as the old policy
+        return ppo.ppo_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, **coefs)
+
+    return loss
 
 
 def make_logprob(agent):
@@ -157,7 +153,7 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
     one-env instance): the trainer owns no env. With `--transport distributed`, every torchrun rank calls this;
     collector ranks return None. Logging, checkpoints and resume as `ppo.train` (collectors restart their envs)."""
     device = device or leanrl.resolve_device(args.device)
-    batch_size, minibatch_size, num_iterations = check_args(args)
+    batch_size, _, num_iterations = check_args(args)
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
     if args.transport == "distributed":
@@ -175,9 +171,8 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
     from_module(agent).data.to_module(agent_inference)
     wrap = leanrl.wrap_flags(args, device)
     optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)
-    gae_fn = leanrl.accelerate(ppo.gae, name="gae", **{**wrap, "compile": wrap["compile"] and
-                                                       args.num_steps <= ppo.MAX_COMPILED_GAE_STEPS})
-    update = leanrl.accelerate(make_update(agent, optimizer, args), name="update", **wrap)
+    gae_fn = ppo.make_gae(args, wrap)
+    learn = ppo.make_learn(agent, optimizer, args, wrap, make_loss(args), MINIBATCH_KEYS)
     logprob = leanrl.accelerate(make_logprob(agent_inference), name="logprob", **wrap)
     storage = ppo.make_storage(spec, args, device)
 
@@ -209,11 +204,7 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
             b = ppo.flat_batch(storage, advantages, returns)
             with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
                 b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
-            for epoch in range(args.update_epochs):
-                for mb_inds in torch.rand(batch_size, device=device).argsort().split(minibatch_size):
-                    mb = b[mb_inds]
-                    out = update(mb["obs"], mb["actions"], mb["logprobs"], mb["proximal_logprobs"],
-                                 mb["advantages"], mb["returns"], mb["values"])
+            out = learn(b)
             trainer.publish()
             metrics = dict(zip(ppo.UPDATE_METRICS, (*out, ppo.explained_variance(b))))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]

@@ -7,7 +7,7 @@ setting (`ppo.rollout`: policy, env and sleep overshoot included), as an empiric
 many collector processes rolling out at once as the setting runs (on a CPU they share the cores; with this env,
 which mostly sleeps, that moved the mean by less than 2 % from a lone collector's); (2) the trainer's time per
 batch (what `ppo_async.train` does with a batch, built from its pieces: GAE, the flat batch, the proximal
-log-probs and the update epochs of `ppo_async.make_update`) on a real collected batch; (3) the handoff h, the
+log-probs and the update epochs with `ppo_async.make_loss`) on a real collected batch; (3) the handoff h, the
 loop's latency beyond (1) and (2) (transport, weight pickup, wake-ups, logging), from one run of its own setting
 in which rollouts and updates strictly alternate. The planner (closed form and simulator) gets only those and the
 settings; each run's (`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are
@@ -116,7 +116,7 @@ def trainer_time(epochs, n):
     batch, proximal log-probs, the update epochs), built from its pieces and repeated on one real collected batch.
     The transport, the weight publish and the logging are not in it (they show up as the validation error)."""
     args = ppo_args(1, 1, epochs, 256)
-    batch_size, minibatch_size, _ = ppo_async.check_args(args)
+    ppo_async.check_args(args)
     envs = make_env(ENV_ID, NUM_ENVS, seed=3)
     rollout, collected = collector_rollout(args, envs, seed=3)
     next_values, terminated = rollout()
@@ -124,7 +124,8 @@ def trainer_time(epochs, n):
     agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
     from_module(agent).data.to_module(agent_inference)
     optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **leanrl.wrap_flags(args, CPU))
-    update = ppo_async.make_update(agent, optimizer, args)
+    learn = ppo.make_learn(agent, optimizer, args, leanrl.wrap_flags(args, CPU), ppo_async.make_loss(args),
+                           ppo_async.MINIBATCH_KEYS)
     logprob = ppo_async.make_logprob(agent_inference)
     storage = ppo.make_storage(envs, args, CPU)
     envs.close()
@@ -137,11 +138,7 @@ def trainer_time(epochs, n):
         b = ppo.flat_batch(storage, advantages, returns)
         with torch.no_grad():
             b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
-        for _ in range(args.update_epochs):
-            for mb_inds in torch.rand(batch_size).argsort().split(minibatch_size):
-                mb = b[mb_inds]
-                update(mb["obs"], mb["actions"], mb["logprobs"], mb["proximal_logprobs"], mb["advantages"],
-                       mb["returns"], mb["values"])
+        learn(b)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])  # the median: other jobs share the cores
 

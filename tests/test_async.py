@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+import leanrl
 from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 from leanrl import pipeline
@@ -252,6 +253,34 @@ def test_decoupled_loss_against_hand_computed_values():
     same, _ = ppo_async.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0, **KW)
     plain, _ = ppo.ppo_loss(agent, obs, actions, proximal, adv, returns, values, **KW)
     torch.testing.assert_close(same, plain)
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "truncated_is"])
+def test_scanned_corrected_update_epochs_match_eager(correction):
+    """The trainer's update epochs with a stale-data correction, as one compiled scan (CPU, --compile) against eager
+    update calls: the same outputs and parameters."""
+    args = ppo_async.Args(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, correction=correction,
+                          is_clip=1.5, compile=True)
+    torch.manual_seed(1)
+    B = args.num_envs * args.num_steps
+    b = TensorDict(obs=torch.randn(B, 4), actions=torch.randint(0, 3, (B,)), logprobs=torch.randn(B) * 0.3 - 1.1,
+                   proximal_logprobs=torch.randn(B) * 0.3 - 1.1, advantages=torch.randn(B), returns=torch.randn(B),
+                   values=torch.randn(B), batch_size=[B])
+    results = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        agent = ppo.make_agent(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(3))
+        optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=compile, cudagraphs=False,
+                                     device="cpu")
+        learn = ppo.make_learn(agent, optimizer, args, dict(compile=compile, cudagraphs=False, device="cpu"),
+                               ppo_async.make_loss(args), ppo_async.MINIBATCH_KEYS)
+        assert isinstance(learn, functools.partial) is not compile  # compiled on a CPU: one scan
+        torch.manual_seed(2)
+        results.append((learn(b), agent))
+    (eager_out, eager_agent), (scan_out, scan_agent) = results
+    torch.testing.assert_close(scan_out, eager_out, rtol=1e-4, atol=1e-5)
+    for (name, e), c in zip(eager_agent.named_parameters(), scan_agent.parameters()):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_effective_sample_size():
