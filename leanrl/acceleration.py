@@ -164,7 +164,8 @@ def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:
     LEANRL_COMPILE_ON_CPU=1 compiles it anyway (to measure it again, and in tests)."""
     compile, on_cpu = args.compile, torch.device(device).type == "cpu"
     if compile and eager_on_cpu and on_cpu and os.environ.get("LEANRL_COMPILE_ON_CPU") != "1":
-        _say_once(f"leanrl: --compile keeps {eager_on_cpu} eager on CPU (LEANRL_COMPILE_ON_CPU=1 compiles anyway).")
+        _say_once(f"leanrl: on a CPU, --compile keeps eager {eager_on_cpu} "
+                  "(LEANRL_COMPILE_ON_CPU=1 compiles it anyway).")
         compile = False
     return dict(compile=compile, cudagraphs=args.cudagraphs, device=device)
 
