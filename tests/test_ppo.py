@@ -290,7 +290,7 @@ def test_compiled_rollout_scan_matches_eager(env_id, tmp_path, capfd, monkeypatc
     assert scanned == ["make_scanned_rollout", "make_scanned_update"]  # the compiled run, only
     for (name, e), c in zip(agents[0].named_parameters(), agents[1].parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
-    assert "--compile keeps GAE" in capfd.readouterr().err
+    assert "--compile keeps eager GAE" in capfd.readouterr().err
 
 
 def test_graph_iteration_needs_an_on_device_env():
