@@ -201,7 +201,7 @@ class DQN:
         eager_on_cpu = leanrl.wrap_flags(args, device, eager_on_cpu=f"{kept_eager}: compiled, slower than eager on a "
                                          "2-core CPU")
         update_wrap = eager_on_cpu if self.frame_stack else wrap
-        one_graph = update_wrap["compile"] and torch.device(device).type == "cpu" and not self.frame_stack
+        one_graph = leanrl.compiling_on_cpu(update_wrap) and not self.frame_stack
         q_named = dict(self.q_network.named_parameters())
         self.optimizer = leanrl.make_adam(list(q_named.values()), args.learning_rate, **update_wrap)
 

@@ -378,7 +378,7 @@ def make_learn(agent, optimizer, args: Args, wrap: dict, loss=ppo_loss, keys=MIN
     --compile, one scan (a CPU has no graphs: fewer, larger calls); for the MLP agents only: the Atari CNN's 4
     updates of 256 took 394 ms scanned against 289 ms in one compiled call each (418 ms eager). Else one
     accelerated `update` call per minibatch."""
-    if wrap["compile"] and torch.device(wrap["device"]).type == "cpu" and isinstance(agent, MLPAgent):
+    if leanrl.compiling_on_cpu(wrap) and isinstance(agent, MLPAgent):
         return make_scanned_update(agent, optimizer, args, wrap, loss, keys)
     update = leanrl.accelerate(make_update(agent, optimizer, args, loss), name="update", **wrap)
     return functools.partial(update_epochs, update, args=args, keys=keys)
@@ -513,7 +513,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     # With --graph-iteration the phases are only compiled: one outer graph captures them all.
     wrap["cudagraphs"] = args.cudagraphs and not args.graph_iteration
     act, get_value = make_acting(agent_inference, envs, args, wrap)
-    if wrap["compile"] and torch.device(device).type == "cpu" and envs.on_device:  # a CPU has no graphs: one scan
+    if leanrl.compiling_on_cpu(wrap) and envs.on_device:  # a CPU has no graphs: one scan
         collect = make_scanned_rollout(agent_inference, envs, args, wrap)
     else:
         collect = functools.partial(rollout, act, get_value, envs, args=args)

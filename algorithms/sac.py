@@ -250,7 +250,7 @@ class SAC:
         wrap = leanrl.wrap_flags(args, device)
         # On a CPU, --compile makes each gradient step ONE compiled graph (`leanrl.gradient_step`); the policy, one
         # observation at a time, stays eager there.
-        one_graph = wrap["compile"] and torch.device(device).type == "cpu"
+        one_graph = leanrl.compiling_on_cpu(wrap)
         policy_wrap = leanrl.wrap_flags(args, device, eager_on_cpu="SAC's policy: compiled, it measured 0.93x eager "
                                         "at batch 1 on a 2-core CPU")
         _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"), looped=one_graph)

@@ -1,8 +1,8 @@
 """leanrl: small-model RL at the speed of the hardware. A toolbox: the algorithm files own their loops and call
 these tools (nothing here calls back into an algorithm)."""
 
-from leanrl.acceleration import (WARMUP, ScannableAdam, ShapeChangeError, ShapeGuard, accelerate, gradient_step,
-                                 load_optimizer_state, make_adam, wrap_flags)
+from leanrl.acceleration import (WARMUP, ScannableAdam, ShapeChangeError, ShapeGuard, accelerate, compiling_on_cpu,
+                                 gradient_step, load_optimizer_state, make_adam, wrap_flags)
 from leanrl.checkpoint import CheckpointError, clean_exit, load_checkpoint, save_checkpoint, save_on_interrupt
 from leanrl.evaluation import crossings, evaluate
 from leanrl.gym_adapter import TorchVectorEnv
@@ -10,7 +10,7 @@ from leanrl.logger import Logger
 from leanrl.run import RunArgs, check_flags, make_run_dir, resolve_device, restore_envs, seed_everything
 
 __all__ = [
-    "WARMUP", "accelerate", "gradient_step", "make_adam", "wrap_flags",
+    "WARMUP", "accelerate", "compiling_on_cpu", "gradient_step", "make_adam", "wrap_flags",
     "load_optimizer_state", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "Logger", "TorchVectorEnv", "RunArgs",
     "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt", "CheckpointError", "clean_exit",
     "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs", "seed_everything",

@@ -170,6 +170,12 @@ def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:
     return dict(compile=compile, cudagraphs=args.cudagraphs, device=device)
 
 
+def compiling_on_cpu(wrap: dict) -> bool:
+    """Whether `wrap` (from `wrap_flags`) compiles on a CPU, where no CUDA graph removes the per-call costs: there the
+    algorithms make fewer, larger compiled calls (PPO's scans, `gradient_step(one_graph=True)`)."""
+    return wrap["compile"] and torch.device(wrap["device"]).type == "cpu"
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Restore an optimizer made by `make_adam` in place (before any capture), keeping its tensor learning rate
     object (a captured graph reads its address) and copying the saved rate into it."""
