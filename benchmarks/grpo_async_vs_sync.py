@@ -7,7 +7,7 @@ per variant: trained completion tokens per second of wall clock (after the first
 wall clock until the training solve rate (mean of 5 batches) first reaches `target`, the held-out solve rate at the
 end (64 fixed prompts x 8; the same number of sampled batches, so this is the solve rate per sampled token), the
 per-token lag histogram and, for async, the trainer's and collectors' idle fractions.
-Writes benchmarks/results/<machine>/grpo_async_vs_sync.{json,md}.
+Writes benchmarks/results/<machine>/grpo_async_vs_sync.{json,md} (grpo_async_vs_sync_compile.* with --compile).
 """
 
 import glob
@@ -38,6 +38,8 @@ class Bench:
     """async collectors"""
     target: float = 0.3
     """training solve rate (mean of 5 consecutive batches) whose first crossing is timed"""
+    compile: bool = False
+    """--compile in both variants (the sampler's decode steps and the trainer's update)"""
     threads: int | None = 1
     """torch CPU threads of the trainer (1: no OpenMP contention on a machine shared with other jobs)"""
     run_dir: str = "runs/grpo_async_vs_sync"
@@ -79,7 +81,8 @@ def main(bench: Bench):
     if bench.threads:
         torch.set_num_threads(bench.threads)
     base = grpo_async.Args(run_dir=bench.run_dir, device="cpu", progress=False, log_every=1,
-                           max_lag=bench.max_lag, transport=bench.transport, num_collectors=bench.num_collectors)
+                           max_lag=bench.max_lag, transport=bench.transport, num_collectors=bench.num_collectors,
+                           compile=bench.compile)
     base = replace(base, total_timesteps=bench.iterations * base.num_prompts * base.group_size)
     results = {}
     for name, args in (("sync", replace(base, exp_name="bench_sync")),
@@ -99,12 +102,14 @@ def main(bench: Bench):
     os.makedirs(out, exist_ok=True)
     speedup = results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"]
     record = {"machine": machine, "bench": vars(bench), "results": results, "speedup_tokens_per_s": speedup}
-    with open(os.path.join(out, "grpo_async_vs_sync.json"), "w") as f:
+    name = "grpo_async_vs_sync_compile" if bench.compile else "grpo_async_vs_sync"
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(record, f, indent=1)
     lines = [f"# GRPO async vs sync, heavy-tailed arithmetic ({machine['cpu']}, {machine['cores']} cores, "
              f"commit {machine['commit']})", "",
              f"{bench.iterations} batches of {base.num_prompts} prompts x {base.group_size}; async: {bench.transport}, "
-             f"{bench.num_collectors} collector(s), max_lag {bench.max_lag}; torch threads {bench.threads}.", "",
+             f"{bench.num_collectors} collector(s), max_lag {bench.max_lag}; torch threads {bench.threads}"
+             f"{'; --compile' if bench.compile else ''}.", "",
              f"| variant | loss | trained tokens/s | time to solve rate {bench.target} | train solve rate (last 5) "
              "| held-out solve rate | token lag histogram | trainer idle | collector idle |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -115,7 +120,7 @@ def main(bench: Bench):
                      f"{r['final_train_solve_rate']:.3f} | {r['held_out_solve_rate']:.3f} | {r['token_lag_hist']} | "
                      f"{idle[0]:.2f} | {idle[1]:.2f} |")
     lines += ["", f"Async / sync trained tokens per second: {speedup:.2f}x."]
-    with open(os.path.join(out, "grpo_async_vs_sync.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
