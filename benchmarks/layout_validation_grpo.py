@@ -7,8 +7,9 @@ batch); async is one collector process and the trainer, one torch thread each. E
 before its run, on the same machine, from the pieces the run executes:
 - the sampler: sync `Sampler.fill`s of whole batches at the setting's slot count, split into the time of starting
   a sequence (`Sampler._start`: its prefill or its group's cache copy, and bookkeeping, timed) and of a decode
-  step (the rest, per step). The step runs over all slots whatever number is busy (a fixed shape), so its
-  latency curve is flat at that count;
+  step (the rest, per step). A fill's steps shrink to a half or a quarter of the slots as it drains (the
+  sampler's step sizes): the time per step is the fills' average over their sizes, given to the planner as a flat
+  curve at the slot count (a pipelined run, which seldom drains, steps at full size a little more often);
 - the response lengths of those fills, as the empirical distribution;
 - the trainer's seconds per batch: `grpo.Learner.update` on a filled batch; sync adds the verifier's scoring (in
   async the collector scores).
