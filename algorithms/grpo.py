@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, from_module
@@ -74,8 +75,11 @@ class Args(leanrl.RunArgs):
     """passes over each batch"""
     num_minibatches: int = 4
     """optimizer steps per pass (each one accumulates gradients over micro-batches)"""
-    micro_batch: int = 32
-    """sequences per forward/backward: fixed shape [micro_batch, max_len]"""
+    micro_batch: int = 8
+    """rows per forward/backward: fixed shape [micro_batch, max_len]"""
+    pack_sequences: bool = True
+    """a row holds as many whole sequences as fit (first-fit, longest first; attention kept within each, positions
+    restarting at 0), so the update computes sampled tokens rather than right padding; else one sequence per row"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     loss: Literal["clip", "truncated_is", "decoupled"] = "clip"
@@ -149,10 +153,12 @@ def k3_kl(logp, ref_logp):
     return d.exp() - d - 1
 
 
-def token_logprobs(model, tokens, temperature: float):
+def token_logprobs(model, tokens, temperature: float, position_ids=None):
     """log pi(token t | tokens < t) at the sampling temperature, and the policy's entropy there, [B, L]; the
-    logits at position t-1 score token t (the sampler's quantity); position 0 scores nothing (0)."""
-    logits = model(input_ids=tokens).logits[:, :-1].float() / temperature
+    logits at position t-1 score token t (the sampler's quantity); position 0 scores nothing (0). With packed
+    rows, `position_ids` restart at 0 where a sequence starts, which is where transformers ends its attention;
+    a sequence's first token is then scored by the one before it, a prompt token no loss weighs."""
+    logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits[:, :-1].float() / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -163,15 +169,54 @@ def token_logprobs(model, tokens, temperature: float):
 UPDATE_METRICS = ("losses/policy_loss", "losses/kl", "losses/clipfrac", "losses/entropy")
 
 
+def pack_tokens(seqs: list[int], lengths: list[int], max_len: int, micro_batch: int, packed: bool) -> torch.Tensor:
+    """Where each token of the micro-batch rows comes from: [R, max_len] flat indices s * max_len + t (token t of
+    sequence s), -1 for padding; R a multiple of micro_batch (empty rows fill the last micro-batch). `packed`:
+    sequences `seqs` first-fit into rows, the longest first, their `lengths` tokens each; else one per row, whole."""
+    if packed:
+        rows, free = [], []
+        for s in sorted(seqs, key=lambda s: -lengths[s]):
+            r = next((r for r, f in enumerate(free) if f >= lengths[s]), len(rows))
+            if r == len(rows):
+                rows.append([])
+                free.append(max_len)
+            rows[r].append(s)
+            free[r] -= lengths[s]
+    else:
+        rows = [[s] for s in seqs]
+    src = np.full((-(-len(rows) // micro_batch) * micro_batch, max_len), -1)
+    for r, row in enumerate(rows):
+        start = 0
+        for s in row:
+            n = lengths[s] if packed else max_len
+            src[r, start:start + n] = np.arange(s * max_len, s * max_len + n)
+            start += n
+    return torch.from_numpy(src)
+
+
+def gather_rows(data: TensorDict, src: torch.Tensor) -> TensorDict:
+    """The per-token fields of `data` [B, L] laid out as `src` says (`pack_tokens`), padding weighted out, with the
+    position of every token in its own sequence."""
+    valid = src >= 0
+    rows = data.reshape(-1)[src.clamp(min=0)]
+    rows["weights"] = rows["weights"] * valid
+    rows["completion_mask"] = rows["completion_mask"] & valid
+    rows["position_ids"] = torch.where(valid, src % data.shape[1], 0)
+    return rows
+
+
 def make_update(model, reference, optimizer, args: Args):
     """`micro_step(mb)`: forward and backward of one fixed-shape micro-batch, gradients accumulated in place;
     returns the sums of its token metrics and its token count. `optimizer_step()`: clip, step, zero the
     gradients in place (captured graphs keep reading them)."""
     params = [p for p in model.parameters() if p.requires_grad]
 
+    def positions(mb):  # one sequence per row needs none: transformers' default positions, its plain causal mask
+        return mb["position_ids"] if args.pack_sequences else None
+
     def micro_step(mb: TensorDict):
-        logp, entropy = token_logprobs(model, mb["tokens"], args.temperature)
-        pg, clipped = policy_loss(logp, mb["logprobs"], mb["proximal_logprobs"], mb["advantages"][:, None], args)
+        logp, entropy = token_logprobs(model, mb["tokens"], args.temperature, positions(mb))
+        pg, clipped = policy_loss(logp, mb["logprobs"], mb["proximal_logprobs"], mb["advantages"], args)
         kl = k3_kl(logp, mb["ref_logprobs"])
         ((pg + args.kl_coef * kl) * mb["weights"]).sum().backward()
         m = mb["completion_mask"].float()
@@ -183,13 +228,13 @@ def make_update(model, reference, optimizer, args: Args):
         optimizer.zero_grad(set_to_none=False)
         return grad_norm
 
-    def logprobs(tokens):
+    def logprobs(mb):
         with torch.no_grad():
-            return token_logprobs(model, tokens, args.temperature)[0]
+            return token_logprobs(model, mb["tokens"], args.temperature, positions(mb))[0]
 
-    def ref_logprobs(tokens):
+    def ref_logprobs(mb):
         with torch.no_grad():
-            return token_logprobs(reference, tokens, args.temperature)[0]
+            return token_logprobs(reference, mb["tokens"], args.temperature, positions(mb))[0]
 
     for p in params:  # gradients exist before any capture and are only ever zeroed in place
         p.grad = torch.zeros_like(p)
@@ -216,37 +261,55 @@ class Learner:
         self.logprobs = leanrl.accelerate(logprobs, name="logprobs", **wrap)
         self.ref_logprobs = leanrl.accelerate(ref_logprobs, name="ref_logprobs", **wrap) if self.reference else None
 
-    def _per_micro_batch(self, fn, tokens):
-        return torch.cat([fn(t) for t in tokens.split(self.args.micro_batch)])
+    def _rows(self, data: TensorDict, seqs: list[int], lengths: list[int]):
+        """Micro-batches of sequences `seqs` (packed unless --no-pack-sequences), and how many of their token
+        slots are padding."""
+        src = pack_tokens(seqs, lengths, data.shape[1], self.args.micro_batch, self.args.pack_sequences)
+        return (gather_rows(data, src.to(self.device)).split(self.args.micro_batch),
+                src.numel() - sum(lengths[s] for s in seqs))
+
+    def _per_token(self, fn, data: TensorDict, lengths: list[int]) -> torch.Tensor:
+        """`fn` of every micro-batch of the whole batch, put back in the batch's [B, L] layout (0 at padding)."""
+        B, L = data.shape
+        src = pack_tokens(range(B), lengths, L, self.args.micro_batch, self.args.pack_sequences).to(self.device)
+        out = torch.cat([fn(mb) for mb in gather_rows(data, src).split(self.args.micro_batch)])
+        # padding goes to one extra element, dropped
+        return torch.zeros(B * L + 1, device=self.device).index_copy_(
+            0, torch.where(src >= 0, src, B * L).flatten(), out.flatten())[:-1].view(B, L)
 
     def update(self, batch: TensorDict, rewards: torch.Tensor, version: int) -> dict:
         """One GRPO update on a filled sampler batch and its rewards [B]; `version`: the trainer's version
         (tokens sampled with it are the ones the train/infer mismatch is measured on). Returns device metrics."""
         args = self.args
+        B, L = batch["tokens"].shape
+        # The one host read of the update: the sequences' lengths, which the micro-batch rows are planned from.
+        lengths = (batch["prompt_length"] + batch["completion_length"]).tolist()
         adv, live = group_advantages(rewards, args.group_size, args.scale_rewards)
         seq_weight = live.float() if args.mask_zero_variance else torch.ones_like(adv)
         mask = batch["completion_mask"]
         data = TensorDict(tokens=batch["tokens"], logprobs=batch["logprobs"], completion_mask=mask,
-                          advantages=adv, weights=token_weights(mask, seq_weight, args.aggregation,
-                                                               self.data_parallel.total),
-                          batch_size=batch.batch_size)
-        data["proximal_logprobs"] = self._per_micro_batch(self.logprobs, data["tokens"])
+                          advantages=adv[:, None].repeat(1, L), batch_size=[B, L],
+                          weights=token_weights(mask, seq_weight, args.aggregation, self.data_parallel.total))
+        data["proximal_logprobs"] = self._per_token(self.logprobs, data, lengths)
         # Without a reference model, losses/kl measures how far the update moved from the pre-update policy.
-        data["ref_logprobs"] = (self._per_micro_batch(self.ref_logprobs, data["tokens"]) if self.reference
+        data["ref_logprobs"] = (self._per_token(self.ref_logprobs, data, lengths) if self.reference
                                 else data["proximal_logprobs"])
         sums = torch.zeros(len(UPDATE_METRICS) + 1, device=self.device)
-        B = batch.batch_size[0]
+        padding = slots = 0
+        minibatch = B // args.num_minibatches
         for _ in range(args.update_epochs):
-            perm = torch.randperm(B, device=self.device)  # whole groups need not stay together: weights are global
-            for minibatch in perm.split(B // args.num_minibatches):
-                mbs = data[minibatch]
-                for mb in mbs.split(args.micro_batch):
+            perm = torch.randperm(B).tolist()  # whole groups need not stay together: weights are global
+            for start in range(0, B, minibatch):
+                micro_batches, pad = self._rows(data, perm[start:start + minibatch], lengths)
+                for mb in micro_batches:
                     sums += self.micro_step(mb)
+                padding, slots = padding + pad, slots + len(micro_batches) * args.micro_batch * L
                 self.data_parallel.all_reduce_grads_(self.model.parameters())
                 grad_norm = self.optimizer_step()
         sums = self.data_parallel.total(sums)  # token means over the whole batch, not over this rank's share
         metrics = dict(zip(UPDATE_METRICS, sums[:-1] / sums[-1].clamp(min=1)))
         metrics["losses/grad_norm"] = grad_norm
+        metrics["perf/update_padding_frac"] = padding / slots
         metrics.update(batch_metrics(batch, data, rewards, live, version, args.group_size, self.max_lag))
         return metrics
 
@@ -372,8 +435,8 @@ def check_args(args: Args, world: int = 1):
     """Bad settings are clear errors, raised before anything is built or compiled. `world`: data-parallel ranks,
     each of which samples and trains on its own 1/world of every batch."""
     leanrl.check_flags(args, positive=("num_prompts", "max_len", "max_prompt_len", "num_slots", "learning_rate",
-                                       "update_epochs", "num_minibatches", "max_grad_norm", "is_clip", "sft_batch",
-                                       "sft_learning_rate"),
+                                       "update_epochs", "num_minibatches", "micro_batch", "max_grad_norm", "is_clip",
+                                       "sft_batch", "sft_learning_rate"),
                        non_negative=("clip_low", "clip_high", "kl_coef", "sft_steps", "top_k"),
                        unit_interval=("top_p",))
     B = args.num_prompts * args.group_size
@@ -382,11 +445,10 @@ def check_args(args: Args, world: int = 1):
                          "torchrun started (every rank samples whole groups)")
     if args.group_size < 2:
         raise ValueError(f"--group-size {args.group_size}: a group-relative advantage needs at least 2 completions")
-    if args.micro_batch < 1 or B // world % (args.num_minibatches * args.micro_batch):
+    if B // world % args.num_minibatches:
         share = f" per rank (over {world} data-parallel ranks)" if world > 1 else ""
         raise ValueError(f"--num-prompts x --group-size = {B // world} sequences{share} must split into "
-                         f"--num-minibatches {args.num_minibatches} x whole micro-batches of --micro-batch "
-                         f"{args.micro_batch}")
+                         f"--num-minibatches {args.num_minibatches} equal minibatches")
     if not args.temperature > 0:
         raise ValueError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
     if args.total_timesteps < B:

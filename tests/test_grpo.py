@@ -185,6 +185,37 @@ def test_compiled_update_equals_eager_after_k_steps():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-5)
 
 
+def test_pack_tokens_first_fit_longest_first():
+    src = grpo.pack_tokens([0, 1, 2, 3], [3, 5, 2, 4], max_len=8, micro_batch=2, packed=True)
+    # longest first: 1 opens row 0, 3 does not fit there and opens row 1, 0 fills row 0, 2 goes after 3
+    assert src.tolist() == [[8, 9, 10, 11, 12, 0, 1, 2], [24, 25, 26, 27, 16, 17, -1, -1]]
+    src = grpo.pack_tokens([2, 0], [3, 5, 2, 4], max_len=8, micro_batch=3, packed=False)
+    assert src.tolist() == [list(range(16, 24)), list(range(8)), [-1] * 8]  # whole rows, then an empty one
+
+
+def test_packed_rows_train_as_one_sequence_per_row():
+    """Several sequences in a row (attention kept within each, positions restarting) train as one sequence per
+    row does: the same weights and metrics after K updates, with a third of the padded token slots. It fails if
+    attention crosses from one sequence into the next (transformers only separates them without a KV cache)."""
+    batch = _batch(B=16, L=24)
+    results = []
+    for pack in (False, True):
+        args = grpo.Args(group_size=4, num_prompts=4, micro_batch=2, num_minibatches=2, device="cpu",
+                         loss="decoupled", kl_coef=0.1, aggregation="sequence_mean", pack_sequences=pack)
+        model = _tiny_model()
+        learner = grpo.Learner(model, args, torch.device("cpu"))
+        torch.manual_seed(0)  # the same minibatches
+        for k in range(3):
+            rewards = torch.tensor([1.0, 0, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0]).roll(4 * k)
+            metrics = learner.update(batch, rewards, version=k)
+        results.append((_params(model), metrics))
+    (unpacked, m0), (packed, m1) = results
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
+    for k in [*grpo.UPDATE_METRICS, "losses/grad_norm", "charts/kl_to_sampler", "charts/train_infer_mismatch"]:
+        torch.testing.assert_close(m1[k], m0[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert m1["perf/update_padding_frac"] < 0.5 < m0["perf/update_padding_frac"]
+
+
 def _free_port():
     import socket
     with socket.socket() as s:
@@ -223,7 +254,8 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kw, message", [
     (dict(group_size=1), "--group-size 1"),
-    (dict(num_prompts=3, group_size=4, micro_batch=8), "must split into"),
+    (dict(num_prompts=3, group_size=3), "must split into --num-minibatches 4 equal minibatches"),
+    (dict(micro_batch=0), "--micro-batch"),
     (dict(temperature=0.0), "--temperature 0.0"),
     (dict(total_timesteps=10), "less than one batch"),
 ])
