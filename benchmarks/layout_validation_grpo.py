@@ -11,8 +11,9 @@ before its run, on the same machine, from the pieces the run executes:
   sampler's step sizes): the time per step is the fills' average over their sizes, given to the planner as a flat
   curve at the slot count (a pipelined run, which seldom drains, steps at full size a little more often);
 - the response lengths of those fills, as the empirical distribution;
-- the trainer's seconds per batch: `grpo.Learner.update` on a filled batch; sync adds the verifier's scoring (in
-  async the collector scores).
+- the trainer's seconds per batch: `grpo.Learner.update` on a filled batch, and the log of its metrics; sync adds
+  the verifier's scoring (in async the collector scores), async the publishing of the weights (`WeightRing`), timed
+  while a process samples as the run's collector does (two processes on 2 cores: the update is ~15 % slower).
 The planner (closed form and simulator) gets only these and the settings. Each run's completions/s (charts/SPS,
 after its first two iterations) and mean sequence and token lags are compared with them; so is the closed form
 given the update time the run itself logged, which separates the model's error from the drift of shared cores
@@ -33,8 +34,12 @@ from dataclasses import dataclass, replace
 import torch
 import tyro
 
+from tensordict import from_module
+
+import leanrl
 from leanrl import layout
 from leanrl.algorithms import grpo, grpo_async
+from leanrl.pipeline.weights import WeightRing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
@@ -100,27 +105,61 @@ def calibrate_sampler(args, slots, fills):
     return statistics.median(step_s), statistics.median(start_s), lengths
 
 
+def busy_collector(args, started, stop):
+    """What an async run's collector process does to the trainer's cores: sampler fills (one torch thread)."""
+    torch.set_num_threads(1)
+    task, model, tokenizer, _ = grpo.load_policy(args, CPU)
+    sampler = grpo.make_sampler(model, tokenizer, args)
+    batch = sampler.make_batch(args.num_prompts * args.group_size)
+    prompts = grpo.PromptStream(task, tokenizer, seed=-9)
+    while not stop.is_set():
+        sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
+        started.set()
+
+
 def calibrate_trainer(args, updates):
-    """Seconds per batch of `Learner.update` (on a filled batch of the warm-started policy) and of the scoring."""
+    """Seconds per batch of what the trainer does besides waiting: `Learner.update` (on a filled batch of the
+    warm-started policy), logging its metrics (a Logger's record and flush: the runs log every batch), publishing
+    the weights (the pipeline's `WeightRing`, async only) and scoring (sync only: in async the collector scores).
+    Async times them while a collector process samples, as it does in the run: on 2 cores it slows the update."""
     task, model, tokenizer, _ = grpo.load_policy(args, CPU)
     learner = grpo.Learner(model, args, CPU, max_lag=args.max_lag)
     sampler = grpo.make_sampler(model, tokenizer, args)
     batch = sampler.make_batch(args.num_prompts * args.group_size)
     sampler.fill(batch, grpo.PromptStream(task, tokenizer, seed=-8), group_size=args.group_size, carry_over=False)
-    update_s, score_s = [], []
-    for _ in range(updates + 1):
-        t0 = time.perf_counter()
-        host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-        rewards = grpo.score(task, tokenizer, host, -8)
-        t1 = time.perf_counter()
-        learner.update(batch, rewards, 0)
-        update_s.append(time.perf_counter() - t1)
-        score_s.append(t1 - t0)
-    return statistics.median(update_s[1:]), statistics.median(score_s[1:])
+    params = from_module(model).data
+    ring = WeightRing(params, args.max_lag + 1, shared=True)
+    times = {k: [] for k in ("score_s", "update_s", "publish_s", "log_s")}
+    spawn = torch.multiprocessing.get_context("spawn")
+    started, stop = spawn.Event(), spawn.Event()
+    collector = spawn.Process(target=busy_collector, args=(args, started, stop)) if args.async_ else None
+    if collector:
+        collector.start()
+        started.wait()
+    with tempfile.TemporaryDirectory() as tmp, leanrl.Logger.from_args(
+            replace(args, progress=False, track=False), tmp, 10 ** 9, summary=False) as logger:
+        for i in range(updates + 1):
+            t0 = time.perf_counter()
+            host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
+            rewards = grpo.score(task, tokenizer, host, -8)
+            t1 = time.perf_counter()
+            metrics = learner.update(batch, rewards, 0)
+            t2 = time.perf_counter()
+            ring.publish(params, i)
+            t3 = time.perf_counter()
+            logger.record(metrics)
+            logger.end_iteration(i + 1)
+            logger.flush()
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
+                times[k].append(dt)
+    if collector:
+        stop.set()
+        collector.join()
+    return {k: statistics.fmean(v[1:]) for k, v in times.items()}  # the mean, as a run's throughput sees it
 
 
 def planner_setup(mode, slots, max_lag, cal, args):
-    train_s = cal["update_s"] + (cal["score_s"] if mode == "sync" else 0.0)
+    train_s = cal["update_s"] + cal["log_s"] + (cal["score_s"] if mode == "sync" else cal["publish_s"])
     return layout.Setup(total_gpus=1 if mode == "sync" else 2, model=layout.Model(1e4, 1, 1, 1),
                         gpu=layout.GPUS["CPU"], lengths=layout.Lengths("empirical", values=tuple(cal["lengths"])),
                         batch=args.num_prompts * args.group_size, group_size=args.group_size, max_lag=max_lag,
@@ -142,7 +181,7 @@ def measured_run(args):
     rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
     steady = rows[2:]  # SPS counts from the end of iteration 2: the lags over the same batches
     return dict(sps=rows[-1]["charts/SPS"], seq_lag=hist_mean(steady, "lag/sequence_hist_"),
-                update_s=statistics.median(r["perf/update_time"] for r in steady),
+                update_s=statistics.fmean(r["perf/update_time"] for r in steady),
                 token_lag=hist_mean(steady, "lag/token_hist_"), wall_s=wall,
                 trainer_idle=rows[-1].get("async/trainer_idle_frac"),
                 collector_idle=rows[-1].get("async/collector_idle_frac"),
@@ -164,8 +203,8 @@ def main(b: Bench):
         run_args = grpo_args(mode, slots, max_lag, epochs, b.iterations, b.run_dir)
         t0 = time.perf_counter()  # calibrated right before its run: the speed of shared cores drifts
         step_s, start_s, lengths = calibrate_sampler(run_args, slots, b.calib_fills)
-        update_s, score_s = calibrate_trainer(run_args, b.calib_updates)
-        cal = dict(step_s=step_s, start_s=start_s, lengths=lengths, update_s=update_s, score_s=score_s)
+        cal = dict(step_s=step_s, start_s=start_s, lengths=lengths, **calibrate_trainer(run_args, b.calib_updates))
+        update_s = cal["update_s"]
         t_calib += time.perf_counter() - t0
         s = planner_setup(mode, slots, max_lag, cal, run_args)
         pred = layout.predict(s, 1, slots)
@@ -174,7 +213,8 @@ def main(b: Bench):
         # The same model given the update time the run itself logged: what is left is the model's own error
         in_run = layout.predict(replace(s, train_step_s=s.train_step_s - update_s + m["update_s"]), 1, slots)
         row = dict(mode=mode, slots=slots, max_lag=max_lag, update_epochs=epochs, step_s=step_s, start_s=start_s,
-                   mean_length=statistics.fmean(lengths), update_s=update_s, train_s=s.train_step_s,
+                   mean_length=statistics.fmean(lengths), update_s=update_s, log_s=cal["log_s"],
+                   publish_s=cal["publish_s"], train_s=s.train_step_s,
                    bound=pred.bound, measured_sps=m["sps"], model_sps=pred.seqs_per_s, sim_sps=sim.seqs_per_s,
                    run_update_s=m["update_s"], in_run_sps=in_run.seqs_per_s,
                    measured_lag=m["seq_lag"], model_lag=pred.lag_mean, sim_lag=sim.lag_mean,
@@ -217,7 +257,8 @@ def table(info) -> str:
     for r in info["results"]:
         lines.append(
             f"| {r['mode']} | {r['slots']} | {r['max_lag']} | {r['update_epochs']} | {r['step_s'] * 1e3:.2f} | "
-            f"{r['start_s'] * 1e3:.2f} | {r['mean_length']:.2f} | {r['train_s']:.3f} | {r['bound']} | {r['measured_sps']:.0f} | {r['model_sps']:.0f} ({r['model_sps_err']:+.1%}) | "
+            f"{r['start_s'] * 1e3:.2f} | {r['mean_length']:.2f} | {r['train_s']:.3f} | {r['bound']} | "
+            f"{r['measured_sps']:.0f} | {r['model_sps']:.0f} ({r['model_sps_err']:+.1%}) | "
             f"{r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | {r['run_update_s']:.3f} | {r['in_run_sps']:.0f} "
             f"({r['in_run_sps_err']:+.1%}) | {r['measured_lag']:.2f} | {r['model_lag']:.2f} "
             f"({r['model_lag_err']:+.2f}) | {r['sim_lag']:.2f} ({r['sim_lag_err']:+.2f}) | "
