@@ -322,7 +322,8 @@ def batch_metrics(batch, data, rewards, live, version, group_size, max_lag) -> d
     w = log_w.exp()
     token_lag = (version - batch["version"])[mask]
     seq_lag = version - batch["version"].amin(1)
-    current = mask & (batch["version"] == version)
+    # Sequences sampled wholly by the trainer's weights: the rest carry KV computed by older ones (kept in flight).
+    current = mask & (seq_lag == 0)[:, None]
     out = {"charts/reward_mean": rewards.mean(), "charts/solve_rate": (rewards >= 1).float().mean(),
            "charts/response_length_mean": length.mean(), "charts/response_length_p90": length.quantile(0.9),
            "charts/response_length_max": length.max(), "charts/finished_frac": batch["finished"].float().mean(),

@@ -376,6 +376,29 @@ class Sampler:
             raise ValueError(f"prompt_id {prompt_id}: token ids outside the model's vocabulary [0, {self.vocab_size})"
                              " (vocabulary mismatch between tokenizer and model?)")
 
+    def _check_batch(self, batch, group_size: int) -> int:
+        """The number of groups `batch` holds, or a clear error if it cannot hold whole ones of this sampler."""
+        B = batch.batch_size[0]
+        if group_size < 1 or B % group_size:
+            raise ValueError(f"batch of {B} sequences is not divisible by group_size={group_size}")
+        if batch["tokens"].shape[1] != self.max_len:
+            raise ValueError(f"batch: tokens of length {batch['tokens'].shape[1]}, the sampler's max_len is "
+                             f"{self.max_len} (make it with sampler.make_batch)")
+        return B // group_size
+
+    def _queue_group(self, prompts, group_size: int) -> bool:
+        """Queue the members of the next prompt's group, checked; False when `prompts` has run out."""
+        try:
+            prompt_id, tokens = next(prompts)
+        except StopIteration:
+            return False
+        tokens = list(tokens)
+        self._check_prompt(prompt_id, tokens)
+        group = _Group(self._order, prompt_id, tokens, group_size)
+        self._order += 1
+        self._queue.extend((group, j) for j in range(group_size))
+        return True
+
     def _start(self, s, group, member) -> bool:
         """Put a queued sequence into free slot s: its token row, then its prompt's cache, copied from the slot
         of a member of its group still running on the prompt prefilled with the same weights, else prefilled
@@ -461,13 +484,7 @@ class Sampler:
         for a later call then starts only once its tokens will be recent enough there (`may_admit`); 0: admit
         whenever a slot is free. If `prompts` runs out, the batch holds stats["groups"] groups and its other rows
         are empty (no completion tokens)."""
-        B = batch.batch_size[0]
-        if group_size < 1 or B % group_size:
-            raise ValueError(f"batch of {B} sequences is not divisible by group_size={group_size}")
-        if batch["tokens"].shape[1] != self.max_len:
-            raise ValueError(f"batch: tokens of length {batch['tokens'].shape[1]}, the sampler's max_len is "
-                             f"{self.max_len} (make it with sampler.make_batch)")
-        need = B // group_size
+        need = self._check_batch(batch, group_size)
         prompts = iter(prompts)
         t0 = time.perf_counter()
         stats = dict(decode_steps=0, dropped=0, busy=0, stepped_slots=0, moves=0, prefills=0, cache_copies=0,
@@ -505,17 +522,8 @@ class Sampler:
                     continue
                 if not self._queue and not exhausted and may_admit(ahead, need, version, min_version, carry_over,
                                                                     min_version_step):
-                    try:
-                        prompt_id, tokens = next(prompts)
-                    except StopIteration:
-                        exhausted = True
-                    else:
-                        tokens = list(tokens)
-                        self._check_prompt(prompt_id, tokens)
-                        group = _Group(self._order, prompt_id, tokens, group_size)
-                        self._order += 1
-                        self._queue.extend((group, j) for j in range(group_size))
-                        ahead += 1
+                    exhausted = not self._queue_group(prompts, group_size)
+                    ahead += not exhausted
                 if not self._queue:
                     break
                 prefilled = self._start(s, *self._queue.popleft())

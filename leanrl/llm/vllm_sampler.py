@@ -26,7 +26,7 @@ from safetensors.torch import save
 from tensordict import from_module
 
 from leanrl.llm.models import load_model
-from leanrl.llm.sampler import Sampler, _Group, may_admit
+from leanrl.llm.sampler import Sampler, may_admit
 
 WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
 
@@ -52,9 +52,13 @@ def _wake_on_engine_death(core, sentinels):
 
 
 class VLLMSampler:
-    # The batch layout, the prompt checks and the batch writer are the built-in sampler's (one contract).
+    # The batch layout, the checks, the admission of groups, their completion (stale members queued again) and the
+    # batch writer are the built-in sampler's (one contract).
     make_batch = Sampler.make_batch
     _check_prompt = Sampler._check_prompt
+    _check_batch = Sampler._check_batch
+    _queue_group = Sampler._queue_group
+    _complete = Sampler._complete
     _write = Sampler._write
 
     def __init__(self, model_dir: str, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
@@ -173,19 +177,6 @@ class VLLMSampler:
             self.engine.add_request(request_id, {"prompt_token_ids": group.tokens}, params)
         self._running[request_id] = (group, member)
 
-    def _complete(self, group, min_version):
-        """If every member of `group` is done, queue the stale ones again (their first token is older than
-        min_version) and return their count, or mark the group ready."""
-        if any(r is None for r in group.done):
-            return 0
-        stale = [j for j, r in enumerate(group.done) if r[6] < min_version]
-        for j in stale:
-            group.done[j] = None
-            self._queue.appendleft((group, j))
-        if not stale:
-            self._ready.append(group)
-        return len(stale)
-
     def _record(self, output, prompt_length):
         """A finished request -> the built-in sampler's record: token, log-prob and version rows of length L."""
         completion = output.outputs[0]
@@ -205,13 +196,7 @@ class VLLMSampler:
              carry_over=True, min_version_step=0) -> dict:
         """The built-in sampler's `fill` (see `leanrl.llm.Sampler.fill`) on the vLLM engine: one engine step per
         decode step, `step_boundary()` before each; a newer version pushes `params` into the engine."""
-        B = batch.batch_size[0]
-        if group_size < 1 or B % group_size:
-            raise ValueError(f"batch of {B} sequences is not divisible by group_size={group_size}")
-        if batch["tokens"].shape[1] != self.max_len:
-            raise ValueError(f"batch: tokens of length {batch['tokens'].shape[1]}, the sampler's max_len is "
-                             f"{self.max_len} (make it with sampler.make_batch)")
-        need = B // group_size
+        need = self._check_batch(batch, group_size)
         prompts = iter(prompts)
         t0 = time.perf_counter()
         stats = dict(decode_steps=0, dropped=0, busy=0, sampled=0, updates=0)
@@ -233,17 +218,8 @@ class VLLMSampler:
             while len(self._running) < self.num_slots:
                 if not self._queue and not exhausted and may_admit(ahead, need, version, min_version, carry_over,
                                                                     min_version_step):
-                    try:
-                        prompt_id, tokens = next(prompts)
-                    except StopIteration:
-                        exhausted = True
-                    else:
-                        tokens = list(tokens)
-                        self._check_prompt(prompt_id, tokens)
-                        group = _Group(self._order, prompt_id, tokens, group_size)
-                        self._order += 1
-                        self._queue.extend((group, j) for j in range(group_size))
-                        ahead += 1
+                    exhausted = not self._queue_group(prompts, group_size)
+                    ahead += not exhausted
                 if not self._queue:
                     break
                 self._submit(*self._queue.popleft())
