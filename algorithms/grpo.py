@@ -377,9 +377,11 @@ def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
 
 
 def demonstrations(task, tokenizer, indices, seed: int, max_len: int):
-    """Prompt + demonstration + EOS per problem, right-padded to max_len, and the mask of the completion."""
+    """Prompt + demonstration + EOS per problem, right-padded to max_len, the mask of the completion, and each
+    sequence's length."""
     tokens = torch.full((len(indices), max_len), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
+    lengths = []
     for row, index in enumerate(indices):
         problem = task.problem(index, seed)
         prompt = encode(tokenizer, problem.prompt)
@@ -387,20 +389,23 @@ def demonstrations(task, tokenizer, indices, seed: int, max_len: int):
         seq = (prompt + completion)[:max_len]
         tokens[row, :len(seq)] = torch.tensor(seq)
         mask[row, len(prompt):len(seq)] = True
-    return tokens, mask
+        lengths.append(len(seq))
+    return tokens, mask, lengths
 
 
 def warm_start(model, tokenizer, task, args: Args, device):
     """A short supervised run on the task's demonstrations (another problem stream than GRPO's): it teaches a
-    tiny model the answer format; what it gets right is then up to RL."""
+    tiny model the answer format; what it gets right is then up to RL. Its rows are packed as the update's are."""
     from tqdm import trange
     optimizer = torch.optim.Adam(model.parameters(), lr=args.sft_learning_rate)
     n = args.sft_batch
     for step in trange(args.sft_steps, desc="warm start", disable=not args.progress):
-        tokens, mask = demonstrations(task, tokenizer, range(step * n, (step + 1) * n), -1 - args.seed, args.max_len)
-        tokens, mask = tokens.to(device), mask.to(device)
-        logp, _ = token_logprobs(model, tokens, 1.0)
-        loss = -(logp * mask).sum() / mask.sum()
+        tokens, mask, lengths = demonstrations(task, tokenizer, range(step * n, (step + 1) * n), -1 - args.seed,
+                                               args.max_len)
+        data = TensorDict(tokens=tokens, completion_mask=mask, weights=mask / mask.sum(), batch_size=tokens.shape)
+        rows = gather_rows(data, pack_tokens(range(n), lengths, args.max_len, 1, packed=True)).to(device)
+        logp, _ = token_logprobs(model, rows["tokens"], 1.0, rows["position_ids"])
+        loss = -(logp * rows["weights"]).sum()  # the mean over the completions' tokens
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
