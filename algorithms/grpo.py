@@ -261,18 +261,17 @@ class Learner:
         self.logprobs = leanrl.accelerate(logprobs, name="logprobs", **wrap)
         self.ref_logprobs = leanrl.accelerate(ref_logprobs, name="ref_logprobs", **wrap) if self.reference else None
 
-    def _rows(self, data: TensorDict, seqs: list[int], lengths: list[int]):
-        """Micro-batches of sequences `seqs` (packed unless --no-pack-sequences), and how many of their token
-        slots are padding."""
-        src = pack_tokens(seqs, lengths, data.shape[1], self.args.micro_batch, self.args.pack_sequences)
-        return (gather_rows(data, src.to(self.device)).split(self.args.micro_batch),
-                src.numel() - sum(lengths[s] for s in seqs))
+    def _micro_batches(self, data: TensorDict, seqs, lengths: list[int]):
+        """Where each token of the rows of sequences `seqs` comes from (`pack_tokens`, packed unless
+        --no-pack-sequences), and those rows as micro-batches."""
+        src = pack_tokens(seqs, lengths, data.shape[1], self.args.micro_batch, self.args.pack_sequences).to(self.device)
+        return src, gather_rows(data, src).split(self.args.micro_batch)
 
     def _per_token(self, fn, data: TensorDict, lengths: list[int]) -> torch.Tensor:
         """`fn` of every micro-batch of the whole batch, put back in the batch's [B, L] layout (0 at padding)."""
         B, L = data.shape
-        src = pack_tokens(range(B), lengths, L, self.args.micro_batch, self.args.pack_sequences).to(self.device)
-        out = torch.cat([fn(mb) for mb in gather_rows(data, src).split(self.args.micro_batch)])
+        src, micro_batches = self._micro_batches(data, range(B), lengths)
+        out = torch.cat([fn(mb) for mb in micro_batches])
         # padding goes to one extra element, dropped
         return torch.zeros(B * L + 1, device=self.device).index_copy_(
             0, torch.where(src >= 0, src, B * L).flatten(), out.flatten())[:-1].view(B, L)
@@ -295,21 +294,22 @@ class Learner:
         data["ref_logprobs"] = (self._per_token(self.ref_logprobs, data, lengths) if self.reference
                                 else data["proximal_logprobs"])
         sums = torch.zeros(len(UPDATE_METRICS) + 1, device=self.device)
-        padding = slots = 0
+        trained = slots = 0  # the sequences' tokens in the micro-batches, and the micro-batches' token slots
         minibatch = B // args.num_minibatches
         for _ in range(args.update_epochs):
             perm = torch.randperm(B).tolist()  # whole groups need not stay together: weights are global
             for start in range(0, B, minibatch):
-                micro_batches, pad = self._rows(data, perm[start:start + minibatch], lengths)
+                seqs = perm[start:start + minibatch]
+                src, micro_batches = self._micro_batches(data, seqs, lengths)
                 for mb in micro_batches:
                     sums += self.micro_step(mb)
-                padding, slots = padding + pad, slots + len(micro_batches) * args.micro_batch * L
+                trained, slots = trained + sum(lengths[s] for s in seqs), slots + src.numel()
                 self.data_parallel.all_reduce_grads_(self.model.parameters())
                 grad_norm = self.optimizer_step()
         sums = self.data_parallel.total(sums)  # token means over the whole batch, not over this rank's share
         metrics = dict(zip(UPDATE_METRICS, sums[:-1] / sums[-1].clamp(min=1)))
         metrics["losses/grad_norm"] = grad_norm
-        metrics["perf/update_padding_frac"] = padding / slots
+        metrics["perf/update_padding_frac"] = 1 - trained / slots
         metrics.update(batch_metrics(batch, data, rewards, live, version, args.group_size, self.max_lag))
         return metrics
 
