@@ -2,13 +2,18 @@
 
     python benchmarks/grpo_async_vs_sync.py [--iterations 60 --max-lag 2 --transport processes --threads 1 --repeats 3]
 
-Both variants start from the same warm start with the same seed and consume the same number of batches; they run
-in turns (sync, async, sync, ...) `repeats` times, and the ratio is of the medians: on a shared 2-core machine one
-pair's ratio swung from 1.22x to 1.61x. Reported per variant: trained completion tokens per second of wall clock
-(after the first two iterations: warm-up; the median and every run's), and from its last run: the
-wall clock until the training solve rate (mean of 5 batches) first reaches `target`, the held-out solve rate at the
-end (64 fixed prompts x 8; the same number of sampled batches, so this is the solve rate per sampled token), the
-per-token lag histogram and, for async, the trainer's and collectors' idle fractions.
+Three variants start from the same warm start with the same seed and consume the same number of batches: async (one
+collector process and the trainer, `threads` torch threads each: two cores at the defaults), sync on `threads`
+threads (one core), and sync on every core (the same hardware as async). They run in turns (sync, sync, async, ...)
+`repeats` times, and ratios are of the medians: on a shared 2-core machine one pair's ratio swung from 1.22x to
+1.61x. All of it once per `update_epochs` value: async can hide the shorter of sampling and training behind the
+longer, so its gain over sync is at most (sample + update) / max(sample, update), 2x when the two are equal.
+Reported per variant: trained completion tokens per second of wall clock (after the first two iterations: warm-up;
+the median and every run's), and from its last run: the start-up (launch to the end of iteration 2: imports,
+model, collector processes), the mean sampling and update seconds per batch, the wall clock until the training solve
+rate (mean of 5 batches) first reaches `target`, the held-out solve rate at the end (64 fixed prompts x 8; the same
+number of sampled batches, so this is the solve rate per sampled token), the per-token lag histogram and, for async,
+the trainer's and collectors' idle fractions.
 Writes benchmarks/results/<machine>/grpo_async_vs_sync.{json,md} (grpo_async_vs_sync_compile.* with --compile).
 """
 
@@ -43,8 +48,12 @@ class Bench:
     """training solve rate (mean of 5 consecutive batches) whose first crossing is timed"""
     compile: bool = False
     """--compile in both variants (the sampler's decode steps and the trainer's update)"""
-    threads: int | None = 1
-    """torch CPU threads of the trainer (1: no OpenMP contention on a machine shared with other jobs)"""
+    threads: int = 1
+    """torch CPU threads of the async trainer and of the first sync variant (1: no OpenMP contention between the
+    trainer and a collector process)"""
+    update_epochs: tuple[int, ...] = (2, 1)
+    """passes over each batch, one set of runs each (2: grpo's default; 1: sampling and training take about as long
+    here)"""
     repeats: int = 3
     """runs of each variant, in turns"""
     run_dir: str = "runs/grpo_async_vs_sync"
@@ -73,7 +82,11 @@ def summarize(rows, args, wall_s, target) -> dict:
     rolling = [sum(solve[max(0, i - 4):i + 1]) / len(solve[max(0, i - 4):i + 1]) for i in range(len(solve))]
     hit = next((times[i] for i in range(4, len(rows)) if rolling[i] >= target and times[i] is not None), None)
     lag_keys = sorted(k for k in rows[0] if k.startswith("lag/token_hist_"))
-    out = {"trained_tokens_per_s": sum(tokens[2:]) / (times[-1] - times[1]), "wall_s": wall_s,
+    steady = rows[2:]
+    out = {"trained_tokens_per_s": sum(tokens[2:]) / (times[-1] - times[1]), "wall_s": wall_s, "startup_s": warmup,
+           "update_s": statistics.mean(r["perf/update_time"] for r in steady),
+           "sample_s": statistics.mean(r["perf/sample_time"] for r in steady) if "perf/sample_time" in steady[0]
+           else None,
            "time_to_target_s": hit, "final_train_solve_rate": rolling[-1],
            "token_lag_hist": [sum(r[k] for r in rows) for k in lag_keys]}
     for k in ("async/trainer_idle_frac", "async/collector_idle_frac", "async/lag_mean"):
@@ -82,59 +95,78 @@ def summarize(rows, args, wall_s, target) -> dict:
     return out
 
 
-def main(bench: Bench):
-    if bench.threads:
-        torch.set_num_threads(bench.threads)
-    base = grpo_async.Args(run_dir=bench.run_dir, device="cpu", progress=False, log_every=1,
-                           max_lag=bench.max_lag, transport=bench.transport, num_collectors=bench.num_collectors,
-                           compile=bench.compile)
-    base = replace(base, total_timesteps=bench.iterations * base.num_prompts * base.group_size)
-    runs = {"sync": [], "async": []}
+def run_variants(bench: Bench, base) -> dict:
+    """Each variant `repeats` times in turns; the last run's summary with every run's tokens/s and their median."""
+    variants = {"sync": (replace(base, exp_name="bench_sync"), bench.threads),
+                "sync, all cores": (replace(base, exp_name="bench_sync_all"), os.cpu_count()),
+                "async": (replace(base, exp_name="bench_async", async_=True), bench.threads)}
+    runs = {name: [] for name in variants}
     for _ in range(bench.repeats):
-        for name, args in (("sync", replace(base, exp_name="bench_sync")),
-                           ("async", replace(base, exp_name="bench_async", async_=True))):
+        for name, (args, threads) in variants.items():
+            torch.set_num_threads(threads)
             t0 = time.perf_counter()
             (grpo_async.train if args.async_ else grpo.train)(args)
             wall = time.perf_counter() - t0
             (path,) = sorted(glob.glob(f"{bench.run_dir}/*__{args.exp_name}__*"))[-1:]
             rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
             runs[name].append((summarize(rows, args, wall, bench.target), args, path))
-            print(name, runs[name][-1][0])
+            print(base.update_epochs, name, runs[name][-1][0])
     results = {}
     for name, variant in runs.items():
         result, args, path = variant[-1]
+        result["threads"] = variants[name][1]
         result["trained_tokens_per_s_runs"] = [r["trained_tokens_per_s"] for r, _, _ in variant]
         result["trained_tokens_per_s"] = statistics.median(result["trained_tokens_per_s_runs"])
         state = torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"]
         result["held_out_solve_rate"] = held_out_solve_rate(args, state)
         result["loss"] = args.loss
         results[name] = result
+    return results
+
+
+def main(bench: Bench):
+    base = grpo_async.Args(run_dir=bench.run_dir, device="cpu", progress=False, log_every=1,
+                           max_lag=bench.max_lag, transport=bench.transport, num_collectors=bench.num_collectors,
+                           compile=bench.compile)
+    base = replace(base, total_timesteps=bench.iterations * base.num_prompts * base.group_size)
+    results = {epochs: run_variants(bench, replace(base, update_epochs=epochs)) for epochs in bench.update_epochs}
+    speedups = {epochs: {"vs_sync": r["async"]["trained_tokens_per_s"] / r["sync"]["trained_tokens_per_s"],
+                         "vs_sync_all_cores": r["async"]["trained_tokens_per_s"]
+                         / r["sync, all cores"]["trained_tokens_per_s"]} for epochs, r in results.items()}
     machine = machine_info(torch.device("cpu"))
     out = os.path.join(bench.out_dir, machine["slug"])
     os.makedirs(out, exist_ok=True)
-    speedup = results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"]
-    record = {"machine": machine, "bench": vars(bench), "results": results, "speedup_tokens_per_s": speedup}
+    record = {"machine": machine, "bench": vars(bench), "results": results, "speedup_tokens_per_s": speedups}
     stem = "grpo_async_vs_sync_compile" if bench.compile else "grpo_async_vs_sync"
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(record, f, indent=1)
+
+    def seconds(x):
+        return f"{x:.3f}" if x is not None else "-"
     lines = [f"# GRPO async vs sync, heavy-tailed arithmetic ({machine['cpu']}, {machine['cores']} cores, "
              f"commit {machine['commit']})", "",
              f"{bench.iterations} batches of {base.num_prompts} prompts x {base.group_size}; async: {bench.transport}, "
-             f"{bench.num_collectors} collector(s), max_lag {bench.max_lag}; torch threads {bench.threads}"
-             f"{'; --compile' if bench.compile else ''}.", "",
-             f"| variant | loss | trained tokens/s (median) | every run's | time to solve rate {bench.target} "
-             "| train solve rate (last 5) "
-             "| held-out solve rate | token lag histogram | trainer idle | collector idle |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        hit = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
-        idle = [r.get(k, float("nan")) for k in ("trainer_idle_frac", "collector_idle_frac")]
-        every = ", ".join(f"{x:.0f}" for x in r["trained_tokens_per_s_runs"])
-        lines.append(f"| {name} | {r['loss']} | {r['trained_tokens_per_s']:.0f} | {every} | {hit} | "
-                     f"{r['final_train_solve_rate']:.3f} | {r['held_out_solve_rate']:.3f} | {r['token_lag_hist']} | "
-                     f"{idle[0]:.2f} | {idle[1]:.2f} |")
-    lines += ["", f"Async / sync trained tokens per second (medians of {bench.repeats} runs each): {speedup:.2f}x. "
-              "Time to target, solve rates, lags and idle fractions: each variant's last run."]
+             f"{bench.num_collectors} collector(s) and the trainer, {bench.threads} torch thread(s) each, max_lag "
+             f"{bench.max_lag}{'; --compile' if bench.compile else ''}. Sample and update: mean seconds per batch "
+             "(async: the trainer's update only).", "",
+             f"| epochs | variant | threads | trained tokens/s (median) | every run's | start-up s | sample s | update s "
+             f"| time to solve rate {bench.target} | train solve rate (last 5) | held-out solve rate "
+             "| token lag histogram | trainer idle | collector idle |",
+             "|---:|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
+    for epochs, variants in results.items():
+        for name, r in variants.items():
+            hit = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
+            idle = [r.get(k, float("nan")) for k in ("trainer_idle_frac", "collector_idle_frac")]
+            every = ", ".join(f"{x:.0f}" for x in r["trained_tokens_per_s_runs"])
+            lines.append(f"| {epochs} | {name} | {r['threads']} | {r['trained_tokens_per_s']:.0f} | {every} | "
+                         f"{r['startup_s']:.1f} | {seconds(r['sample_s'])} | {seconds(r['update_s'])} | {hit} | "
+                         f"{r['final_train_solve_rate']:.3f} | {r['held_out_solve_rate']:.3f} | "
+                         f"{r['token_lag_hist']} | {idle[0]:.2f} | {idle[1]:.2f} |")
+    lines.append("")
+    for epochs, x in speedups.items():
+        lines.append(f"- {epochs} epoch(s): async / sync trained tokens per second (medians of {bench.repeats} runs "
+                     f"each) {x['vs_sync']:.2f}x; against sync on all cores {x['vs_sync_all_cores']:.2f}x.")
+    lines.append("- Start-up, time to target, solve rates, lags and idle fractions: each variant's last run.")
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
