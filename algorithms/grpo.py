@@ -171,8 +171,10 @@ UPDATE_METRICS = ("losses/policy_loss", "losses/kl", "losses/clipfrac", "losses/
 
 def pack_tokens(seqs: list[int], lengths: list[int], max_len: int, micro_batch: int, packed: bool) -> torch.Tensor:
     """Where each token of the micro-batch rows comes from: [R, max_len] flat indices s * max_len + t (token t of
-    sequence s), -1 for padding; R a multiple of micro_batch (empty rows fill the last micro-batch). `packed`:
-    sequences `seqs` first-fit into rows, the longest first, their `lengths` tokens each; else one per row, whole."""
+    sequence s), -1 for padding. R: whole micro-batches of `micro_batch` rows, then a last one of the next power of
+    two rows (at least 2, at most micro_batch), empty rows after the used ones: a few fixed shapes, and no
+    more empty rows than used ones in it. `packed`: sequences `seqs` first-fit into rows, the longest first, their `lengths`
+    tokens each; else one per row, whole."""
     if packed:
         rows, free = [], []
         for s in sorted(seqs, key=lambda s: -lengths[s]):
@@ -184,7 +186,8 @@ def pack_tokens(seqs: list[int], lengths: list[int], max_len: int, micro_batch: 
             free[r] -= lengths[s]
     else:
         rows = [[s] for s in seqs]
-    src = np.full((-(-len(rows) // micro_batch) * micro_batch, max_len), -1)
+    whole, rest = divmod(len(rows), micro_batch)
+    src = np.full((whole * micro_batch + (min(max(1 << (rest - 1).bit_length(), 2), micro_batch) if rest else 0), max_len), -1)
     for r, row in enumerate(rows):
         start = 0
         for s in row:
@@ -241,6 +244,25 @@ def make_update(model, reference, optimizer, args: Args):
     return micro_step, optimizer_step, logprobs, ref_logprobs
 
 
+def per_shape(fn, wrap: dict):
+    """`fn` of a micro-batch, for the few row counts `pack_tokens` makes: compiled once with the rows a symbolic
+    size (a compile per row count took a run longer than the rows it saved, on a CPU), each row count graphed and
+    shape-guarded on its own."""
+    compiled = leanrl.accelerate(fn, compile=wrap["compile"], device=wrap["device"])
+    accelerated = {}
+
+    def call(mb: TensorDict):
+        rows = mb.shape[0]
+        if wrap["compile"] and rows > 1:  # (one row would be specialised anyway)
+            for t in mb.values():
+                torch._dynamo.mark_dynamic(t, 0)
+        if rows not in accelerated:
+            accelerated[rows] = leanrl.accelerate(compiled, cudagraphs=wrap["cudagraphs"], device=wrap["device"],
+                                                  name=f"{fn.__name__}_{rows}")
+        return accelerated[rows](mb)
+    return call
+
+
 class Learner:
     """The trainer's side of GRPO, shared by the sync and async loops: the model, its optimizer, the reference,
     and the accelerated phases."""
@@ -256,10 +278,10 @@ class Learner:
         wrap = leanrl.wrap_flags(args, device)
         self.optimizer = leanrl.make_adam(model.parameters(), args.learning_rate, **wrap)
         micro_step, optimizer_step, logprobs, ref_logprobs = make_update(model, self.reference, self.optimizer, args)
-        self.micro_step = leanrl.accelerate(micro_step, name="micro_step", **wrap)
+        self.micro_step = per_shape(micro_step, wrap)
         self.optimizer_step = leanrl.accelerate(optimizer_step, name="optimizer_step", **wrap)
-        self.logprobs = leanrl.accelerate(logprobs, name="logprobs", **wrap)
-        self.ref_logprobs = leanrl.accelerate(ref_logprobs, name="ref_logprobs", **wrap) if self.reference else None
+        self.logprobs = per_shape(logprobs, wrap)
+        self.ref_logprobs = per_shape(ref_logprobs, wrap) if self.reference else None
 
     def _micro_batches(self, data: TensorDict, seqs, lengths: list[int]):
         """Where each token of the rows of sequences `seqs` comes from (`pack_tokens`, packed unless

@@ -190,7 +190,19 @@ def test_pack_tokens_first_fit_longest_first():
     # longest first: 1 opens row 0, 3 does not fit there and opens row 1, 0 fills row 0, 2 goes after 3
     assert src.tolist() == [[8, 9, 10, 11, 12, 0, 1, 2], [24, 25, 26, 27, 16, 17, -1, -1]]
     src = grpo.pack_tokens([2, 0], [3, 5, 2, 4], max_len=8, micro_batch=3, packed=False)
-    assert src.tolist() == [list(range(16, 24)), list(range(8)), [-1] * 8]  # whole rows, then an empty one
+    assert src.tolist() == [list(range(16, 24)), list(range(8))]  # whole rows; 2 rows left: a last micro-batch of 2
+
+
+def test_pack_tokens_last_micro_batch_power_of_two_rows():
+    """Whole micro-batches, then the next power of two rows (at least 2, at most a micro-batch): empty rows only
+    after those."""
+    def rows(num_seqs, micro_batch):
+        src = grpo.pack_tokens(list(range(num_seqs)), [4] * num_seqs, max_len=4, micro_batch=micro_batch, packed=True)
+        assert (src[:num_seqs] >= 0).all() and (src[num_seqs:] == -1).all()
+        return src.shape[0]
+    assert [rows(n, 8) for n in (1, 2, 3, 5, 8, 9, 11, 13, 16, 17)] == [2, 2, 4, 8, 8, 10, 12, 16, 16, 18]
+    assert [rows(n, 6) for n in (5, 6, 7)] == [6, 6, 8]
+    assert rows(3, 1) == 3
 
 
 def test_packed_rows_train_as_one_sequence_per_row():
