@@ -172,9 +172,9 @@ UPDATE_METRICS = ("losses/policy_loss", "losses/kl", "losses/clipfrac", "losses/
 def pack_tokens(seqs: list[int], lengths: list[int], max_len: int, micro_batch: int, packed: bool) -> torch.Tensor:
     """Where each token of the micro-batch rows comes from: [R, max_len] flat indices s * max_len + t (token t of
     sequence s), -1 for padding. R: whole micro-batches of `micro_batch` rows, then a last one of the next power of
-    two rows (at least 2, at most micro_batch), empty rows after the used ones: a few fixed shapes, and no
-    more empty rows than used ones in it. `packed`: sequences `seqs` first-fit into rows, the longest first, their `lengths`
-    tokens each; else one per row, whole."""
+    two rows (at least 2, at most micro_batch), its empty rows after the used ones and no more of them: a few fixed
+    shapes. `packed`: sequences `seqs` first-fit into rows, the longest first, their `lengths` tokens each; else one
+    per row, whole."""
     if packed:
         rows, free = [], []
         for s in sorted(seqs, key=lambda s: -lengths[s]):
@@ -187,7 +187,8 @@ def pack_tokens(seqs: list[int], lengths: list[int], max_len: int, micro_batch: 
     else:
         rows = [[s] for s in seqs]
     whole, rest = divmod(len(rows), micro_batch)
-    src = np.full((whole * micro_batch + (min(max(1 << (rest - 1).bit_length(), 2), micro_batch) if rest else 0), max_len), -1)
+    last = min(max(1 << (rest - 1).bit_length(), 2), micro_batch) if rest else 0
+    src = np.full((whole * micro_batch + last, max_len), -1)
     for r, row in enumerate(rows):
         start = 0
         for s in row:

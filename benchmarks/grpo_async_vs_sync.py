@@ -149,8 +149,8 @@ def main(bench: Bench):
              f"{bench.num_collectors} collector(s) and the trainer, {bench.threads} torch thread(s) each, max_lag "
              f"{bench.max_lag}{'; --compile' if bench.compile else ''}. Sample and update: mean seconds per batch "
              "(async: the trainer's update only).", "",
-             f"| epochs | variant | threads | trained tokens/s (median) | every run's | start-up s | sample s | update s "
-             f"| time to solve rate {bench.target} | train solve rate (last 5) | held-out solve rate "
+             "| epochs | variant | threads | trained tokens/s (median) | every run's | start-up s | sample s "
+             f"| update s | time to solve rate {bench.target} | train solve rate (last 5) | held-out solve rate "
              "| token lag histogram | trainer idle | collector idle |",
              "|---:|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
     for epochs, variants in results.items():
