@@ -157,16 +157,16 @@ def test_a_sigterm_during_a_log_write_waits_for_the_row(tmp_path, monkeypatch):
     # close that follows; the logger holds it until the row is written.
     logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=10, progress=False, summary=False)
     written = []
-    add_scalar = logger.tensorboard.add_scalar
+    writer = logger.tensorboard.file_writer
+    add_summary = writer.add_summary
 
-    def add_scalar_then_signal(tag, value, step):
-        add_scalar(tag, value, step)
-        written.append(tag)
-        if len(written) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)  # the handler would run here, in the middle of the row
+    def signal_then_add_summary(summary, step):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler would run here, between the row's JSON line and its TensorBoard event
+        add_summary(summary, step)
+        written.extend(v.tag for v in summary.value)
 
-    monkeypatch.setattr(logger.tensorboard, "add_scalar", add_scalar_then_signal)
+    monkeypatch.setattr(writer, "add_summary", signal_then_add_summary)
     logger.record({"losses/a": torch.tensor(1.0), "losses/b": torch.tensor(2.0)})
     logger.end_iteration(10)
     with leanrl.save_on_interrupt(str(tmp_path / "checkpoint.pt"), dict), pytest.raises(KeyboardInterrupt):
