@@ -447,7 +447,7 @@ def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir
     before = _solve_rate(args)
     after = _solve_rate(args, torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"])
     print(f"{mode}: solve rate {before:.3f} -> {after:.3f}")
-    assert after >= before + 0.06, (before, after)  # measured: 0.189 -> 0.314 (sync), 0.275 (async, lag 2)
+    assert after >= before + 0.06, (before, after)  # measured: 0.189 -> 0.303 (sync), 0.275 (async, lag 2)
 
 
 @pytest.mark.parametrize("flags", [[], ["--async", "--max-lag", "1"]])
