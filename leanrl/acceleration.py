@@ -1,8 +1,10 @@
 """The LeanRL trick in one place: compile inside, CUDA graph outside, shapes guarded."""
 
+import collections
 import functools
 import os
 import sys
+import threading
 
 import torch
 from tensordict import TensorDictBase
@@ -31,6 +33,8 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
         if torch.device(device).type == "cpu":
             _trust_vec_isa_probed_before()
         fn = torch.compile(fn, **(compile_kwargs or {}))
+        if torch.device(device).type == "cuda":
+            fn = _compiles_in_any_thread(fn)
     if not cudagraphs:
         return fn
     if torch.device(device).type == "cuda":
@@ -39,6 +43,25 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
         # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
         _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
     return ShapeGuard(fn, name)
+
+
+def _compiles_in_any_thread(compiled):
+    """torch 2.11 sets up the thread-local registry of inductor's CUDA graph trees only in the thread that imported
+    them, and dynamo reads it when it compiles an optimizer step on CUDA: a first call from any other thread (a
+    trainer or collector thread, the benchmark's turns) failed on an H200 with a bare AssertionError in
+    `cudagraph_trees.get_obj`. Set it up in the calling thread first, as torch 2.13 does itself."""
+    from torch._inductor import cudagraph_trees as trees
+
+    if hasattr(trees, "_initialize_tls"):  # torch >= 2.13
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        if not hasattr(trees.local, "tree_manager_containers"):
+            trees.local.tree_manager_containers = {}
+            trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
+        return compiled(*args, **kwargs)
+    return call
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -224,6 +225,34 @@ def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
         torch.testing.assert_close(q, p, msg=name)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(opts[1].state[q][key], opts[0].state[p][key], msg=key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the failure was CUDA's")
+def test_a_compiled_optimizer_step_compiles_in_any_thread():
+    """On torch 2.11 dynamo failed to compile an optimizer step on CUDA in a thread other than the one that imported
+    inductor's CUDA graph trees (seen on an H200: every compiled benchmark turn, which runs in a thread)."""
+    net = torch.nn.Linear(3, 2, device="cuda")
+    opt = leanrl.make_adam(net.parameters(), 1e-2, compile=True, cudagraphs=False, device="cuda")
+
+    def step(x):
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+
+    step = leanrl.accelerate(step, compile=True, device="cuda")
+    before, errors = net.weight.detach().clone(), []
+    thread = threading.Thread(target=lambda: _record_errors(errors, step, torch.randn(4, 3, device="cuda")))
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert not torch.equal(net.weight, before)
+
+
+def _record_errors(errors, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 (reported by the test's main thread)
+        errors.append(e)
 
 
 def test_gradient_step_plain_compiled_and_one_graph_match_eager():
