@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from tensordict import TensorDict, from_module
 from torch._higher_order_ops.scan import scan
+from torch.torch_version import TorchVersion
 
 import leanrl
 
@@ -456,9 +457,10 @@ def make_scanned_rollout(agent_inference, envs, args: Args, wrap: dict):
         # obs cloned: a scan's output may not alias its input
         return (out["next_obs"], env_carry), stored_step(obs.clone(), action, logprob, value, out, args)
 
+    # torch 2.11's C++ wrapper cannot emit the scan's loop (AssertionError in codegen_while_loop); the Python one can
+    options = dict(SCAN_OPTIONS, cpp_wrapper=TorchVersion(torch.__version__) >= "2.13")
     scanned = leanrl.accelerate(lambda obs, env_carry, noise: scan(step, (obs, env_carry), noise), name="rollout",
-                                compile_kwargs=dict(fullgraph=True, options=dict(SCAN_OPTIONS, cpp_wrapper=True)),
-                                **wrap)
+                                compile_kwargs=dict(fullgraph=True, options=options), **wrap)
 
     @torch.no_grad()
     def scanned_rollout(next_obs, storage):
