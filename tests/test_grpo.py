@@ -169,21 +169,22 @@ def test_a_zero_variance_group_contributes_no_gradient(loss, mask_zero_variance)
     torch.testing.assert_close(_update(batch, all_dead, **kw), before, rtol=0, atol=0)
 
 
-def test_compiled_update_equals_eager_after_k_steps():
-    """Also with --cudagraphs (on a CPU: the shape guards alone). Micro-batches come in two row counts here, compiled
-    once, a shape guard each: the batch's 8 rows run as 3 + 3 + 2, a minibatch's 3 or 4 as 3 (+ 2)."""
+def test_compiled_update_equals_eager_after_k_steps(device):
+    """Also with --cudagraphs (on a CPU: the shape guards alone; on CUDA: graphs, compiled and not). Micro-batches
+    come in two row counts here, compiled once, a shape guard or a graph each: the batch's 8 rows run as 3 + 3 + 2,
+    a minibatch's 3 or 4 as 3 (+ 2)."""
     batch = _batch()
     lengths = (batch["prompt_length"] + batch["completion_length"]).tolist()
     assert [len(mb) for mb in grpo.pack_tokens(range(8), lengths, 12, 3, packed=True).split(3)] == [3, 3, 2]
     results = []
-    for compile, cudagraphs in ((False, False), (True, False), (False, True)):
-        args = grpo.Args(group_size=4, num_prompts=2, micro_batch=3, num_minibatches=2, device="cpu", compile=compile,
-                         loss="decoupled", kl_coef=0.1, cudagraphs=cudagraphs)
-        model = _tiny_model()
-        learner = grpo.Learner(model, args, torch.device("cpu"))
+    for compile, cudagraphs in ((False, False), (True, device.type == "cuda"), (False, True)):
+        args = grpo.Args(group_size=4, num_prompts=2, micro_batch=3, num_minibatches=2, device=device.type,
+                         compile=compile, loss="decoupled", kl_coef=0.1, cudagraphs=cudagraphs)
+        model = _tiny_model().to(device)
+        learner = grpo.Learner(model, args, device)
         for k in range(3):
-            rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]).roll(k)
-            metrics = learner.update(batch, rewards, version=k)
+            rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0], device=device).roll(k)
+            metrics = learner.update(batch.to(device), rewards, version=k)
         results.append((_params(model), torch.stack([metrics[k] for k in grpo.UPDATE_METRICS])))
     for params, metrics in results[1:]:
         torch.testing.assert_close(params, results[0][0], rtol=1e-4, atol=1e-5)

@@ -298,12 +298,14 @@ def test_atari_buffer_keeps_one_next_frame_and_rebuilds_the_stack(tmp_path):
 
 
 # ----------------------------------------------------------------------------- compiled against eager
-def _twins(module, args_kw, env_kw, seed=0):
+def _twins(module, args_kw, env_kw, seed=0, device="cpu"):
+    """The algorithm eager, and accelerated as a run on `device` takes it: compiled, and on CUDA in CUDA graphs."""
     built = []
-    for compile in (False, True):
+    for accelerated in (False, True):
         torch.manual_seed(seed)
         cls = getattr(module, module.__name__.split(".")[-1].upper())
-        built.append(cls(small(module, compile=compile, **args_kw), FakeEnv(**env_kw), "cpu"))
+        flags = dict(compile=accelerated, cudagraphs=accelerated and torch.device(device).type == "cuda")
+        built.append(cls(small(module, **flags, **args_kw), FakeEnv(**env_kw), device))
     return built
 
 
@@ -317,10 +319,10 @@ def _assert_same_params(a, b, names):
 
 
 @pytest.mark.parametrize("module", [td3, sac])
-def test_compiled_updates_match_eager_after_k_steps(module, fallback_random):
-    eager, compiled = _twins(module, dict(batch_size=16), {})
+def test_compiled_updates_match_eager_after_k_steps(module, fallback_random, device):
+    eager, compiled = _twins(module, dict(batch_size=16), {}, device=device)
     torch.manual_seed(1)
-    batches = [_batch(B=16) for _ in range(3)]
+    batches = [[x.to(device) for x in _batch(B=16)] for _ in range(3)]
     for batch in batches:
         for algo in (eager, compiled):
             torch.manual_seed(2)
@@ -336,12 +338,12 @@ def test_compiled_updates_match_eager_after_k_steps(module, fallback_random):
         torch.testing.assert_close(compiled.log_alpha, eager.log_alpha, rtol=1e-4, atol=1e-6)
 
 
-def test_dqn_compiled_update_matches_eager_after_k_steps():
-    eager, compiled = _twins(dqn, dict(batch_size=16), dict(action_space=gym.spaces.Discrete(3)))
+def test_dqn_compiled_update_matches_eager_after_k_steps(device):
+    eager, compiled = _twins(dqn, dict(batch_size=16), dict(action_space=gym.spaces.Discrete(3)), device=device)
     torch.manual_seed(1)
     for _ in range(3):
-        obs, _, rewards, next_obs, terminated = _batch(B=16)
-        actions = torch.randint(0, 3, (16,))
+        obs, _, rewards, next_obs, terminated = [x.to(device) for x in _batch(B=16)]
+        actions = torch.randint(0, 3, (16,), device=device)
         outs = [algo.update(obs, actions, rewards, next_obs, terminated) for algo in (eager, compiled)]
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
     _assert_same_params(eager, compiled, ["q_network"])

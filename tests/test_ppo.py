@@ -104,24 +104,27 @@ def test_policy_samples_follow_the_distribution(continuous):
             torch.testing.assert_close(freq, agent.actor(obs[:1]).softmax(-1).squeeze(0), atol=0.015, rtol=0)
 
 
-def _update_fns(compile, continuous):
+def _update_fns(accelerated, continuous, device):
+    """PPO's update eager, or accelerated as a run on `device` takes it: compiled, and on CUDA in a CUDA graph."""
     torch.manual_seed(0)
     act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
-    args = ppo.Args(compile=compile)
-    agent = ppo.make_agent(BOX4, act_space)
-    optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=compile, cudagraphs=False, device="cpu")
-    return agent, leanrl.accelerate(ppo.make_update(agent, optimizer, args), compile=compile)
+    wrap = dict(compile=accelerated, cudagraphs=accelerated and device.type == "cuda", device=device)
+    args = ppo.Args(compile=wrap["compile"], cudagraphs=wrap["cudagraphs"])
+    agent = ppo.make_agent(BOX4, act_space, device=device)
+    optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, **wrap)
+    return agent, leanrl.accelerate(ppo.make_update(agent, optimizer, args), **wrap)
 
 
 @pytest.mark.parametrize("continuous", [False, True])
-def test_compiled_update_matches_eager_after_k_steps(continuous):
+def test_compiled_update_matches_eager_after_k_steps(continuous, device):
     torch.manual_seed(1)
     B = 64
     batches = [(torch.randn(B, 4), torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,)),
                 torch.randn(B) * 0.1 - 1, torch.randn(B), torch.randn(B), torch.randn(B)) for _ in range(5)]
-    (eager_agent, eager_update), (compiled_agent, compiled_update) = _update_fns(False, continuous), \
-        _update_fns(True, continuous)
+    (eager_agent, eager_update), (compiled_agent, compiled_update) = _update_fns(False, continuous, device), \
+        _update_fns(True, continuous, device)
     for batch in batches:
+        batch = [x.to(device) for x in batch]
         eager_out, compiled_out = eager_update(*batch), compiled_update(*batch)
         for e, c in zip(eager_out, compiled_out):
             torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
