@@ -89,7 +89,7 @@ def notes(modes: dict) -> list:
     by_reason = {}
     for m, r in modes.items():
         if "reason" in r:
-            by_reason.setdefault(r["reason"], []).append(m)
+            by_reason.setdefault(" ".join(r["reason"].split()), []).append(m)  # a traceback's lines: one line
     return [f"- {', '.join(ms)}: {reason}" for reason, ms in by_reason.items()]
 
 
