@@ -231,6 +231,8 @@ def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
 def test_a_compiled_optimizer_step_compiles_in_any_thread():
     """On torch 2.11 dynamo failed to compile an optimizer step on CUDA in a thread other than the one that imported
     inductor's CUDA graph trees (seen on an H200: every compiled benchmark turn, which runs in a thread)."""
+    import torch._inductor.cudagraph_trees  # noqa: F401  (imported here, in the main thread, as by any earlier compile)
+
     net = torch.nn.Linear(3, 2, device="cuda")
     opt = leanrl.make_adam(net.parameters(), 1e-2, compile=True, cudagraphs=False, device="cuda")
 
