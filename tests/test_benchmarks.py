@@ -48,7 +48,8 @@ def numbers(obj, path=""):
 def test_results_json_has_the_machine_and_every_mode(out):
     results = json.loads((out / "results.json").read_text())
     m = results["machine"]
-    assert m["cores"] >= 1 and m["cpu"] and m["torch"] == torch.__version__
+    # the wheel's version: 2.11.0 for torch.__version__ 2.11.0+cu130
+    assert m["cores"] >= 1 and m["cpu"] and torch.__version__.startswith(m["torch"])
     assert all(m[k] for k in ("tensordict", "torchrl", "python", "slug"))
     cartpole, atari = results["algos"]["ppo_cartpole"]["modes"], results["algos"]["ppo_atari"]["modes"]
     assert list(cartpole) == list(MODES) and list(atari) == ["eager"]

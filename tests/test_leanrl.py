@@ -192,15 +192,16 @@ def test_vec_isa_check_runs_once_per_inductor_cache(tmp_path, monkeypatch):
     for expect_check in (True, False, "tampered"):
         if expect_check == "tampered":
             record.write_text("avx2")
-        monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-        checks.clear()
-        acceleration._trust_vec_isa_probed_before.__wrapped__()
-        assert bool(checks) == (expect_check is not False)
-        assert config.cpp.vec_isa_ok is (True if passed == claimed else None)
+        # config.patch, not monkeypatch: on torch 2.11 monkeypatch's undo deletes the entry, failing later compiles
+        with config.patch({"cpp.vec_isa_ok": None}):
+            checks.clear()
+            acceleration._trust_vec_isa_probed_before.__wrapped__()
+            assert bool(checks) == (expect_check is not False)
+            assert config.cpp.vec_isa_ok is (True if passed == claimed else None)
         assert record.exists() == (passed == claimed)
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)  # TORCHINDUCTOR_VEC_ISA_OK=0: the user decides
-    acceleration._trust_vec_isa_probed_before.__wrapped__()
-    assert config.cpp.vec_isa_ok is False
+    with config.patch({"cpp.vec_isa_ok": False}):  # TORCHINDUCTOR_VEC_ISA_OK=0: the user decides
+        acceleration._trust_vec_isa_probed_before.__wrapped__()
+        assert config.cpp.vec_isa_ok is False
 
 
 def test_scannable_adam_steps_as_torch_adam_and_writes_its_state_back():
