@@ -7,7 +7,9 @@
 # table's entries (ALGOS), and the tests (TESTS, a pytest -k expression). A 15-minute lease fits two 10-minute-limit
 # calls at most: the defaults, then TESTS_S=0 GRPO_S=0 SAMPLER_S=0 ALGOS=<the entries left>.
 set -u
-OUT=${OUT:-/tmp/gpu-checks}; mkdir -p "$OUT"
+: "${OUT:=/tmp/gpu-checks}" "${TESTS_S:=240}" "${GRPO_S:=120}" "${SAMPLER_S:=90}" "${TESTS:=cuda or graph or compile}" \
+  "${ALGOS:=ppo_cartpole,td3_continuous}"
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
 # The layout an install makes (pyproject's package-dir), for a machine that runs from the working tree.
 for d in algorithms envs; do [ -e "leanrl/$d" ] || ln -s "../$d" "leanrl/$d"; done
@@ -15,21 +17,21 @@ archive() { tar czf /tmp/results.tgz -C benchmarks results && mv /tmp/results.tg
 (while sleep 10; do archive; done) &
 keeper=$!
 
-if [ "${TESTS_S:-240}" != 0 ]; then
-  timeout "${TESTS_S:-240}" python -m pytest -v -n 8 --timeout 240 -p no:cacheprovider tests \
-    -k "${TESTS:-cuda or graph or compile}" 2>&1 | grep --line-buffered -v PytestBenchmarkWarning | tee "$OUT/pytest.log"
+if [ "$TESTS_S" != 0 ]; then
+  timeout "$TESTS_S" python -m pytest -v -n 8 --timeout 240 -p no:cacheprovider tests \
+    -k "$TESTS" 2>&1 | grep --line-buffered -v PytestBenchmarkWarning | tee "$OUT/pytest.log"
 fi
-if [ "${GRPO_S:-120}" != 0 ]; then  # GRPO on the GPU, sync then async, compiled and graphed; half the budget each
+if [ "$GRPO_S" != 0 ]; then  # GRPO on the GPU, sync then async, compiled and graphed; half the budget each
   for mode in "" "--async --max-lag 2"; do
-    timeout $(( ${GRPO_S:-120} / 2 )) python scripts/grpo_arith.py --compile --cudagraphs $mode --run-dir /tmp/grpo \
+    timeout $((GRPO_S / 2)) python scripts/grpo_arith.py --compile --cudagraphs $mode --run-dir /tmp/grpo \
       2>&1 | tr '\r' '\n' | grep -v "%|" | tee -a "$OUT/grpo.log"
     tail -n 1 "$(ls -td /tmp/grpo/*/ | head -1)metrics.jsonl" | tee -a "$OUT/grpo.log"  # the last logged row
   done
 fi
-if [ "${SAMPLER_S:-90}" != 0 ]; then
-  timeout "${SAMPLER_S:-90}" python benchmarks/sampler_latency.py --slots 16 64 --models tiny 20m \
+if [ "$SAMPLER_S" != 0 ]; then
+  timeout "$SAMPLER_S" python benchmarks/sampler_latency.py --slots 16 64 --models tiny 20m \
     --modes eager compile compile+cudagraphs 2>&1 | tee "$OUT/sampler.log"
 fi
-python benchmarks/run.py --algos "${ALGOS:-ppo_cartpole,td3_continuous}" --repeats 20 2>&1 \
+python benchmarks/run.py --algos "$ALGOS" --repeats 20 2>&1 \
   | tee "$OUT/bench.log"
 kill $keeper; archive
