@@ -163,8 +163,9 @@ def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_readme
 
 def test_grpo_layout_validation_runs_sync_and_async_against_the_planner():
     """`layout_validation_grpo.py --quick`: a sync and an async GRPO run, each next to the planner's prediction
-    from its calibration; the async collector restarts almost nothing (its admission waits for a recent version,
-    where it used to restart about half of each batch)."""
+    from its calibration; the async collector restarts few sequences (its admission waits for a recent version,
+    where it used to restart about half of each batch: 70 of 128). How few depends on the machine's load: 0 in the
+    committed runs, 0-17 per setting in e83c28e's, 8 on a CI machine running the suite."""
     run = bench("--quick", script="layout_validation_grpo.py")
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout.strip().splitlines()[-1].removeprefix("written to ")
@@ -172,7 +173,7 @@ def test_grpo_layout_validation_runs_sync_and_async_against_the_planner():
     sync, pipelined = info["results"]
     assert sync["mode"] == "sync" and sync["measured_lag"] == 0 == sync["restarted_per_batch"]
     assert pipelined["mode"] == "pipelined" and 0 < pipelined["measured_lag"] <= pipelined["max_lag"]
-    assert pipelined["restarted_per_batch"] < 8  # of 128 sequences per batch
+    assert pipelined["restarted_per_batch"] < 32  # of 128 sequences per batch
     for r in (sync, pipelined):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s"))
 
