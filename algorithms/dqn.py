@@ -118,7 +118,8 @@ class AtariQNetwork(nn.Module):
         )
 
     def forward(self, obs):
-        return self.network(obs / 255.0)
+        # to float in the convolutions' channels_last layout in one copy (see ppo.AtariAgent.trunk)
+        return self.network(obs.to(torch.float32, memory_format=torch.channels_last, copy=True).div_(255.0))
 
 
 def make_q_network(observation_space, action_space, device=None):

@@ -115,13 +115,19 @@ class AtariAgent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions, device=device), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1, device=device), std=1)
 
+    def trunk(self, obs):
+        # The frames to float in one copy, already in the convolutions' channels_last layout: `obs / 255.0` made an
+        # NCHW copy that oneDNN converted again, forward and backward. Eager update at the Atari minibatch on a
+        # 2-core CPU: 73 ms against 97 (compiled: 68-69 ms either way, inductor already fused it).
+        return self.network(obs.to(torch.float32, memory_format=torch.channels_last, copy=True).div_(255.0))
+
     def forward(self, obs):
         """Distribution parameters (logits) and value."""
-        hidden = self.network(obs / 255.0)
+        hidden = self.trunk(obs)
         return self.actor(hidden), self.critic(hidden).squeeze(-1)
 
     def get_value(self, obs):
-        return self.critic(self.network(obs / 255.0)).squeeze(-1)
+        return self.critic(self.trunk(obs)).squeeze(-1)
 
 
 def mlp(obs_dim, out_dim, out_std, device):
