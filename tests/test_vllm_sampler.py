@@ -172,12 +172,15 @@ def test_an_engine_in_this_process_under_torchrun_is_a_clear_error(setup, tmp_pa
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("mode", [[], ["--async", "--max-lag", "2", "--num-collectors", "1", "--transport", "processes"]],
+@pytest.mark.parametrize("mode", [[], ["--async", "--max-lag", "2", "--num-collectors", "1", "--transport", "processes",
+                                       "--deterministic"]],
                          ids=["sync", "async"])
 def test_grpo_on_the_vllm_sampler_learns_within_the_lag_bound(mode, tmp_path):
     """`scripts/grpo_arith.py --sampler vllm`, as a user runs it (the default run, from a local model directory):
-    the engine samples every batch, in-flight updates reach it, no token of any batch is older than max_lag, and
-    the held-out solve rate of the trained model beats its warm start's."""
+    the engine samples every batch, weight updates reach it, no token of any batch is older than max_lag, and the
+    held-out solve rate of the trained model beats its warm start's. Async runs --deterministic (every batch two
+    versions behind, the same run every time), as the built-in sampler's learning test does: free-running, how stale
+    the tokens are follows the machine's timing (0.248, 0.268 and 0.29 in three runs)."""
     import json
     import subprocess
     import sys
@@ -215,7 +218,7 @@ def test_grpo_on_the_vllm_sampler_learns_within_the_lag_bound(mode, tmp_path):
     model.load_state_dict(torch.load(metrics.parent / "checkpoint.pt", weights_only=False)["model"])
     after = solve_rate()
     print(f"vLLM {'async' if mode else 'sync'}: solve rate {before:.3f} -> {after:.3f}")
-    assert after >= before + 0.06, (before, after)  # measured: 0.16 -> 0.30 (sync), 0.29 (async, lag 2)
+    assert after >= before + 0.06, (before, after)  # measured: 0.16 -> 0.30 (sync), 0.154 -> 0.242 (async)
 
 
 def test_killing_the_engine_stops_the_run_with_a_clear_error(tmp_path):
