@@ -398,8 +398,8 @@ def make_gae(args: Args, wrap: dict):
     """`gae`, accelerated. torch.compile unrolls its loop: fine at Atari's 128 steps on a GPU, but a 2048-step
     rollout (MuJoCo) takes about 10 minutes and 800 MB to compile on CPU, for a loop that costs milliseconds eager."""
     compile = args.num_steps <= MAX_COMPILED_GAE_STEPS and leanrl.wrap_flags(
-        args, wrap["device"], eager_on_cpu="GAE: its unrolled loop compiles in about 30 s at 128 steps on a 2-core "
-        "CPU, to save 3 ms per iteration")["compile"]
+        args, wrap["device"], eager_on_cpu="GAE: its unrolled loop compiles in about 20 s at 128 steps on a 2-core "
+        "CPU, to save under 1 ms per iteration (0.82 ms eager, 0.09 compiled, 8 envs)")["compile"]
     return leanrl.accelerate(gae, name="gae", **{**wrap, "compile": compile})
 
 
