@@ -6,14 +6,26 @@
 # Budgets in seconds (TESTS_S, GRPO_S, SAMPLER_S; 0 skips a phase; the table runs until the command's own limit), the
 # table's entries (ALGOS), and the tests (TESTS, a pytest -k expression). A 15-minute lease fits two 10-minute-limit
 # calls at most: the defaults, then TESTS_S=0 GRPO_S=0 SAMPLER_S=0 ALGOS=<the entries left>.
+# A machine starts bare, so every compile is cold (GRPO's warm-up alone took 59 s on an H200). The inductor and Triton
+# caches come back as $OUT/inductor.tgz (when under 15 MB): put it in .gpu-cache/ (git-ignored) and carry that folder
+# with .gpu, and the next lease starts warm (H100 and H200 share sm_90). CACHE=0 starts cold.
 set -u
-: "${OUT:=/tmp/gpu-checks}" "${TESTS_S:=240}" "${GRPO_S:=300}" "${SAMPLER_S:=90}" "${TESTS:=cuda or graph or compile}" \
+: "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=240}" "${GRPO_S:=300}" "${SAMPLER_S:=90}" "${TESTS:=cuda or graph or compile}" \
   "${ALGOS:=td3_continuous,ppo_atari}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
 # The layout an install makes (pyproject's package-dir), for a machine that runs from the working tree.
 for d in algorithms envs; do [ -e "leanrl/$d" ] || ln -s "../$d" "leanrl/$d"; done
 archive() { tar czf /tmp/results.tgz -C benchmarks results && mv /tmp/results.tgz "$OUT/results.tgz"; }
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
+if [ "$CACHE" = 1 ] && [ -f .gpu-cache/inductor.tgz ]; then
+  tar xzf .gpu-cache/inductor.tgz -C /tmp && echo "inductor cache: $(du -sh /tmp/inductor-cache | cut -f1), carried"
+fi
+save_cache() {  # after each phase: a call stopped at its limit keeps the compiles of the phases it finished
+  tar czf /tmp/inductor.tgz -C /tmp --exclude precompiled_headers inductor-cache || return
+  if [ "$(stat -c %s /tmp/inductor.tgz)" -lt 15000000 ]; then mv /tmp/inductor.tgz "$OUT/inductor.tgz"
+  else echo "inductor cache: $(du -h /tmp/inductor.tgz | cut -f1) compressed, too large to bring back"; fi
+}
 (while sleep 10; do archive; done) &
 keeper=$!
 
@@ -23,6 +35,7 @@ if [ "$TESTS_S" != 0 ]; then  # SIGINT: pytest stops as on Ctrl-C and still prin
   timeout -s INT -k 30 "$TESTS_S" python -m pytest -v -n 8 --timeout 240 -p no:cacheprovider tests -k "$TESTS" \
     > "$OUT/pytest.log" 2>&1
   grep -v PytestBenchmarkWarning "$OUT/pytest.log" | tail -n 40
+  save_cache
 fi
 if [ "$GRPO_S" != 0 ]; then  # GRPO on the GPU, sync then async, compiled and graphed; half the budget each
   for mode in "" "--async --max-lag 2"; do
@@ -32,12 +45,14 @@ if [ "$GRPO_S" != 0 ]; then  # GRPO on the GPU, sync then async, compiled and gr
   done
   (cd /tmp/grpo && find . -name metrics.jsonl | tar czf "$OUT/grpo_metrics.tgz" -T -)  # every row, for the planner
   tr '\r' '\n' < "$OUT/grpo.log" | grep -E "^(run|steps|return):"
+  save_cache
 fi
 if [ "$SAMPLER_S" != 0 ]; then
   timeout -k 10 "$SAMPLER_S" python benchmarks/sampler_latency.py --slots 16 64 --models tiny 20m \
     --modes eager compile compile+cudagraphs > "$OUT/sampler.log" 2>&1
   tail -n 30 "$OUT/sampler.log"
+  save_cache
 fi
 python benchmarks/run.py --algos "$ALGOS" --repeats 20 > "$OUT/bench.log" 2>&1
 tail -n 60 "$OUT/bench.log"
-kill $keeper; archive
+kill $keeper; archive; save_cache
