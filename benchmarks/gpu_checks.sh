@@ -22,6 +22,7 @@ if [ "$CACHE" = 1 ] && [ -f .gpu-cache/inductor.tgz ]; then
   tar xzf .gpu-cache/inductor.tgz -C /tmp && echo "inductor cache: $(du -sh /tmp/inductor-cache | cut -f1), carried"
 fi
 save_cache() {  # after each phase: a call stopped at its limit keeps the compiles of the phases it finished
+  [ -d /tmp/inductor-cache ] || return 0
   tar czf /tmp/inductor.tgz -C /tmp --exclude precompiled_headers inductor-cache || return
   if [ "$(stat -c %s /tmp/inductor.tgz)" -lt 15000000 ]; then mv /tmp/inductor.tgz "$OUT/inductor.tgz"
   else echo "inductor cache: $(du -h /tmp/inductor.tgz | cut -f1) compressed, too large to bring back"; fi
