@@ -45,7 +45,7 @@ class Args(leanrl.RunArgs):
     model_path: str | None = None
     """a local model directory (config.json, *.safetensors, tokenizer files); overrides --model"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """dtype of the weights (bfloat16 for real models on a GPU)"""
+    """dtype of the weights (bfloat16 for real models on a GPU: Adam then steps float32 master copies of them)"""
     tiny_layers: int = 2
     """layers of the tiny model"""
     tiny_hidden: int = 64
@@ -209,10 +209,11 @@ def gather_rows(data: TensorDict, src: torch.Tensor) -> TensorDict:
     return rows
 
 
-def make_update(model, reference, optimizer, args: Args):
+def make_update(model, reference, optimizer, args: Args, master: list | None = None):
     """`micro_step(mb)`: forward and backward of one fixed-shape micro-batch, gradients accumulated in place;
     returns the sums of its token metrics and its token count. `optimizer_step()`: clip, step, zero the
-    gradients in place (captured graphs keep reading them)."""
+    gradients in place (captured graphs keep reading them). `master`: float32 copies of the model's parameters
+    that `optimizer` steps instead (see `Learner`); each step's gradients move there, its result back, rounded."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def positions(mb):  # one sequence per row needs none: transformers' default positions, its plain causal mask
@@ -227,9 +228,17 @@ def make_update(model, reference, optimizer, args: Args):
         return torch.stack([(x.detach() * m).sum() for x in (pg, kl, clipped.float(), entropy)] + [m.sum()])
 
     def optimizer_step():
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        if master:
+            for m, p in zip(master, params):
+                m.grad.copy_(p.grad)
+                p.grad.zero_()
+        grad_norm = torch.nn.utils.clip_grad_norm_(master or params, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+        if master:
+            with torch.no_grad():
+                for m, p in zip(master, params):
+                    p.copy_(m)
         return grad_norm
 
     def logprobs(mb):
@@ -240,7 +249,7 @@ def make_update(model, reference, optimizer, args: Args):
         with torch.no_grad():
             return token_logprobs(reference, mb["tokens"], args.temperature, positions(mb))[0]
 
-    for p in params:  # gradients exist before any capture and are only ever zeroed in place
+    for p in [*params, *(master or [])]:  # gradients exist before any capture and are only ever zeroed in place
         p.grad = torch.zeros_like(p)
     return micro_step, optimizer_step, logprobs, ref_logprobs
 
@@ -277,8 +286,14 @@ class Learner:
             self.reference.load_state_dict(model.state_dict())
             self.reference.requires_grad_(False)
         wrap = leanrl.wrap_flags(args, device)
-        self.optimizer = leanrl.make_adam(model.parameters(), args.learning_rate, **wrap)
-        micro_step, optimizer_step, logprobs, ref_logprobs = make_update(model, self.reference, self.optimizer, args)
+        params = [p for p in model.parameters() if p.requires_grad]
+        # A bfloat16 weight cannot take Adam's small steps: one under half its ulp rounds away (at lr 5e-6, 92% of a
+        # bf16 tiny model's weights never moved in 3 updates). Adam steps float32 master copies instead, and the
+        # model, which the sampler reads, takes them rounded after every step.
+        self.master = None if model.dtype == torch.float32 else [p.detach().float() for p in params]
+        self.optimizer = leanrl.make_adam(self.master or params, args.learning_rate, **wrap)
+        micro_step, optimizer_step, logprobs, ref_logprobs = make_update(model, self.reference, self.optimizer, args,
+                                                                         self.master)
         self.micro_step = per_shape(micro_step, wrap)
         self.optimizer_step = leanrl.accelerate(optimizer_step, name="optimizer_step", **wrap)
         self.logprobs = per_shape(logprobs, wrap)
@@ -449,10 +464,11 @@ def prepare_model(args: Args, task, device) -> str:
     if args.sft_steps == 0:
         return base
     key = json.dumps([os.path.abspath(base) if os.path.isdir(base) else base, repr(task), args.sft_steps,
-                      args.sft_batch, args.sft_learning_rate, args.max_len, args.seed, args.dtype])
+                      args.sft_batch, args.sft_learning_rate, args.max_len, args.seed])
     out = os.path.join(cache, "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])
     if not os.path.isfile(os.path.join(out, "config.json")):
-        model, tokenizer = load_model(base, device=device, dtype=getattr(torch, args.dtype))
+        # in float32 whatever --dtype is: bfloat16 weights would round most of its steps away (see Learner)
+        model, tokenizer = load_model(base, device=device)
         warm_start(model, tokenizer, task, args, device)
         model.save_pretrained(out + ".tmp")
         tokenizer.save_pretrained(out + ".tmp")
@@ -513,9 +529,17 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def learner_state(learner: Learner) -> dict:
+    """What a checkpoint keeps of the trainer: the weights, the optimizer and, below float32, the master weights."""
+    return dict(model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(),
+                **({"master": learner.master} if learner.master else {}))
+
+
 def restore(learner: Learner, state: dict):
     """Weights and optimizer in place, before any capture."""
     learner.model.load_state_dict(state["model"])
+    for m, saved in zip(learner.master or [], state.get("master", [])):
+        m.copy_(saved)
     leanrl.load_optimizer_state(learner.optimizer, state["optimizer"])
 
 
@@ -560,8 +584,7 @@ def train(args: Args) -> dict:
         iteration, prompts.next_index = state["iteration"], state["next_prompt"] + rank
 
     def state():
-        return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration,
-                    next_prompt=prompts.next_index)
+        return dict(learner_state(learner), iteration=iteration, next_prompt=prompts.next_index)
 
     logger, interrupt = rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path, state)
     with logger, interrupt:

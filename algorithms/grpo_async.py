@@ -123,7 +123,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
         iteration = state["iteration"]
 
     def state():
-        return dict(model=model.state_dict(), optimizer=learner.optimizer.state_dict(), iteration=iteration)
+        return dict(grpo.learner_state(learner), iteration=iteration)
 
     if args.transport == "distributed":
         from_rank_zero(model_dir, iteration * B)

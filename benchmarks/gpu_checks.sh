@@ -3,16 +3,18 @@
 # decode latency, and the eager / compile / CUDA graphs table. Each phase runs under its own deadline, pytest names
 # every test as it ends, and the results folder is archived to $OUT every 10 s, so a phase cut short keeps what it
 # measured.   On the device machine:  source .gpu/env.sh && bash benchmarks/gpu_checks.sh
-# Budgets in seconds (TESTS_S, GRPO_S, SAMPLER_S; 0 skips a phase; the table runs until the command's own limit), the
-# table's entries (ALGOS), and the tests (TESTS, a pytest -k expression). A 15-minute lease fits two 10-minute-limit
-# calls at most: the defaults, then TESTS_S=0 GRPO_S=0 SAMPLER_S=0 ALGOS=<the entries left>.
+# Budgets in seconds (TESTS_S, GRPO_S, SAMPLER_S, SMOLLM2_S; 0 skips a phase; the table runs until the command's own
+# limit), the table's entries (ALGOS, empty for none), and the tests (TESTS, a pytest -k expression). A 15-minute lease
+# fits two 10-minute-limit calls at most: the defaults, then TESTS_S=0 GRPO_S=0 SAMPLER_S=0 ALGOS=<the entries left>,
+# or SmolLM2's learning curve (SMOLLM2_S, with the wheel benchmarks/gpu_prepare.sh sends in two parts: see there).
 # A machine starts bare, so every compile is cold (GRPO's warm-up alone took 59 s on an H200). The inductor and Triton
 # caches come back as $OUT/inductor.tgz (when under 15 MB): put it in .gpu-cache/ (git-ignored) and carry that folder
 # with .gpu, and the next lease starts warm (H100 and H200 share sm_90). CACHE=0 starts cold.
 set -u
 # SAMPLER_S: h200's decode table is from 2026-11-26 (benchmarks/results/h200): give it 90 s after a sampler change.
 : "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=200}" "${GRPO_S:=240}" "${SAMPLER_S:=0}" \
-  "${TESTS:=cuda or graph or compile}" "${ALGOS:=td3_continuous,ppo_atari,sac_continuous}"
+  "${TESTS:=cuda or graph or compile}" "${ALGOS=td3_continuous,ppo_atari,sac_continuous}" "${SMOLLM2_S:=0}" \
+  "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
 # The layout an install makes (pyproject's package-dir), for a machine that runs from the working tree.
@@ -55,6 +57,24 @@ if [ "$SAMPLER_S" != 0 ]; then
   tail -n 30 "$OUT/sampler.log"
   save_cache
 fi
-python benchmarks/run.py --algos "$ALGOS" --repeats 20 > "$OUT/bench.log" 2>&1
-tail -n 60 "$OUT/bench.log"
+if [ "$SMOLLM2_S" != 0 ]; then  # SmolLM2-135M's GRPO learning curve, graphed (eager if that fails), bf16
+  start=$SECONDS
+  mkdir -p /tmp/smollm2 && cp .gpu-smollm2-1/SHA256SUMS /tmp/smollm2/ && cat .gpu-smollm2-1/part .gpu-smollm2-2/part \
+    > "/tmp/smollm2/$(cut -d' ' -f3 /tmp/smollm2/SHA256SUMS)" && (cd /tmp/smollm2 && sha256sum -c SHA256SUMS) &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target .gpu/site /tmp/smollm2/*.whl &&
+    { timeout -k 10 "$SMOLLM2_S" python benchmarks/grpo_learning_curve.py --model smollm2-135m --cudagraphs \
+        --run-dir /tmp/curve $SMOLLM2_FLAGS > "$OUT/smollm2.log" 2>&1; rc=$?
+      left=$((SMOLLM2_S - (SECONDS - start)))
+      if [ $rc != 0 ] && [ $rc != 124 ] && [ $left -gt 60 ]; then
+        echo "graphed run failed ($rc): eager, $left s" >> "$OUT/smollm2.log"
+        timeout -k 10 $left python benchmarks/grpo_learning_curve.py --model smollm2-135m --run-dir /tmp/curve-eager \
+          $SMOLLM2_FLAGS >> "$OUT/smollm2.log" 2>&1
+      fi; }
+  tail -n 30 "$OUT/smollm2.log"
+  save_cache
+fi
+if [ -n "$ALGOS" ]; then
+  python benchmarks/run.py --algos "$ALGOS" --repeats 20 > "$OUT/bench.log" 2>&1
+  tail -n 60 "$OUT/bench.log"
+fi
 kill $keeper; archive; save_cache

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import tyro
 
+import leanrl
 from leanrl.algorithms import grpo, grpo_async
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +64,7 @@ class Bench:
 
 
 def held_out_solve_rate(args, state, num_prompts=64) -> float:
-    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    task, model, tokenizer, _ = grpo.load_policy(args, leanrl.resolve_device(args.device))
     model.load_state_dict(state)
     sampler = grpo.make_sampler(model, tokenizer, args, seed=123)
     batch = sampler.make_batch(num_prompts * args.group_size)

@@ -4,8 +4,12 @@
 
 The run is `scripts/grpo_arith.py` with the flags below, trained in chunks of `eval_every` iterations, each chunk
 resuming the previous one's checkpoint (exactly: the same run as in one go). Before the first chunk and after each,
-the held-out solve rate: 64 fixed prompts x group_size completions at the run's temperature.
-Writes benchmarks/results/<machine>/grpo_learning_curve_<model>.{json,md,png}.
+the held-out solve rate: 64 fixed prompts x group_size completions at the run's temperature, sampled eagerly (a
+sampler made per evaluation would compile and capture again). On a GPU:
+
+    python benchmarks/grpo_learning_curve.py --device cuda --dtype bfloat16 --cudagraphs
+
+Writes benchmarks/results/<machine>/grpo_learning_curve_<model>.{json,md,png} after every point.
 """
 
 import glob
@@ -14,6 +18,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 import matplotlib
 import torch
@@ -22,6 +27,7 @@ import tyro
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import leanrl  # noqa: E402
 from leanrl.algorithms import grpo  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +61,14 @@ class Bench:
     """warm-start batch"""
     sft_learning_rate: float = 1e-4
     """warm-start Adam learning rate"""
+    device: str = "cpu"
+    """where the run trains and samples (cuda, cuda:N or cpu)"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the weights"""
+    compile: bool = False
+    """torch.compile the sampler's decode step and the update"""
+    cudagraphs: bool = False
+    """capture them in CUDA graphs (on a CUDA device)"""
     threads: int | None = None
     """torch CPU threads (default: torch's)"""
     run_dir: str = "runs/grpo_learning_curve"
@@ -71,12 +85,16 @@ def main(b: Bench):
                      group_size=b.group_size, max_len=b.max_len, num_slots=b.num_slots, update_epochs=b.update_epochs,
                      micro_batch=B // 4, sft_steps=b.sft_steps, sft_batch=b.sft_batch,
                      sft_learning_rate=b.sft_learning_rate, run_dir=b.run_dir, exp_name=f"curve_{b.model}",
-                     device="cpu", progress=False, log_every=1, checkpoint_every=0)
+                     device=b.device, dtype=b.dtype, compile=b.compile, cudagraphs=b.cudagraphs, progress=False,
+                     log_every=1, checkpoint_every=0)
+    device = leanrl.resolve_device(b.device)
+    eval_args = replace(args, compile=False, cudagraphs=False)
     t0 = time.perf_counter()
-    task, model, _, _ = grpo.load_policy(args, torch.device("cpu"))  # builds (or reads) the warm start
+    task, model, _, _ = grpo.load_policy(args, device)  # builds (or reads) the warm start
     points = [dict(iteration=0, wall_s=0.0, warm_start_s=time.perf_counter() - t0,
-                   held_out_solve_rate=held_out_solve_rate(args, model.state_dict()))]
+                   held_out_solve_rate=held_out_solve_rate(eval_args, model.state_dict()))]
     print(points[-1], flush=True)
+    machine = machine_info(device)
     wall, checkpoint = 0.0, None
     for done in range(b.eval_every, b.iterations + 1, b.eval_every):
         chunk = replace(args, total_timesteps=done * B, resume=checkpoint)
@@ -86,23 +104,29 @@ def main(b: Bench):
         (path,) = sorted(glob.glob(f"{b.run_dir}/*__{args.exp_name}__*"))[-1:]
         checkpoint = f"{path}/checkpoint.pt"
         state = torch.load(checkpoint, weights_only=False)["model"]
-        points.append(dict(iteration=done, wall_s=wall, held_out_solve_rate=held_out_solve_rate(args, state)))
+        points.append(dict(iteration=done, wall_s=wall, held_out_solve_rate=held_out_solve_rate(eval_args, state)))
         print(points[-1], flush=True)
-    rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
-    train_curve = [(r["global_step"] // B, r["charts/solve_rate"]) for r in rows]
+        rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
+        # after every point: a run stopped at a deadline (a GPU lease's) keeps the curve so far
+        write(b, machine, task, points, [(r["global_step"] // B, r["charts/solve_rate"]) for r in rows])
 
-    machine = machine_info(torch.device("cpu"))
+
+def write(b: Bench, machine: dict, task, points: list, train_curve: list):
     out = os.path.join(b.out_dir, machine["slug"])
     os.makedirs(out, exist_ok=True)
     name = f"grpo_learning_curve_{b.model}"
     with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(dict(machine=machine, bench=asdict(b), task=repr(task), points=points, train_curve=train_curve,
                        threads=torch.get_num_threads()), f, indent=1)
-    lines = [f"# GRPO learning curve: {b.model} on the arithmetic task ({machine['cpu']}, {machine['cores']} cores, "
-             f"commit {machine['commit']})", "",
-             f"{b.iterations} iterations of {b.num_prompts} prompts x {b.group_size}, learning rate {b.learning_rate}, "
-             f"max_len {b.max_len}, {b.num_slots} slots, {b.update_epochs} epoch(s); warm start {b.sft_steps} steps of "
-             f"{b.sft_batch} ({points[0]['warm_start_s']:.0f} s to build it, or to load it from the run directory); "
+    where = (f"{machine['gpu']}, CUDA {machine['cuda']}, torch {machine['torch']}" if machine["gpu"] else
+             f"{machine['cpu']}, {machine['cores']} cores")
+    graphs = b.cudagraphs and machine["gpu"] is not None  # on a CPU --cudagraphs falls back to eager
+    mode = " + ".join(m for m, on in (("compile", b.compile), ("cudagraphs", graphs)) if on) or "eager"
+    lines = [f"# GRPO learning curve: {b.model} on the arithmetic task ({where}, commit {machine['commit']})", "",
+             f"{points[-1]['iteration']} of {b.iterations} iterations of {b.num_prompts} prompts x {b.group_size}, "
+             f"learning rate {b.learning_rate}, max_len {b.max_len}, {b.num_slots} slots, {b.update_epochs} "
+             f"epoch(s), {b.dtype}, {mode}; warm start {b.sft_steps} steps of {b.sft_batch} "
+             f"({points[0]['warm_start_s']:.0f} s to build it, or to load it from the run directory); "
              f"{torch.get_num_threads()} torch threads. Held-out: 64 fixed prompts x {b.group_size}.", "",
              "| iteration | wall clock (s) | held-out solve rate |", "|---:|---:|---:|"]
     lines += [f"| {p['iteration']} | {p['wall_s']:.0f} | {p['held_out_solve_rate']:.3f} |" for p in points]
