@@ -590,6 +590,7 @@ def train(args: Args) -> dict:
     with logger, interrupt:
         while iteration < num_iterations:
             # Sync: no sequence outlives its batch, every token is sampled by this iteration's weights.
+            t_iteration = time.perf_counter()
             stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=lambda: iteration,
                                  carry_over=False)
             host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
@@ -601,7 +602,8 @@ def train(args: Args) -> dict:
             metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
                             "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,
                             "perf/slot_utilization": stats["slot_utilization"], "perf/sample_time": stats["time_s"],
-                            "perf/update_time": update_time})
+                            "perf/decode_steps": stats["decode_steps"], "perf/update_time": update_time,
+                            "perf/iteration_time": time.perf_counter() - t_iteration})  # with scoring on the host
             world_metrics = data_parallel.reduce_metrics(metrics)
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1

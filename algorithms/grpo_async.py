@@ -27,7 +27,7 @@ from leanrl.algorithms import grpo
 from leanrl.data_parallel import DataParallel
 from leanrl.pipeline import AsyncArgs, check_settings
 
-STATS = ("sampled_tokens", "time_s", "dropped", "slot_utilization")
+STATS = ("sampled_tokens", "time_s", "dropped", "slot_utilization", "decode_steps")
 
 
 @dataclass
@@ -149,7 +149,8 @@ def train(args: Args, collector=grpo_collector) -> dict:
             metrics.update({"perf/sampled_tokens_per_s": sampled_tokens / (time.perf_counter() - t_start),
                             "perf/trained_tokens_per_s": float(batch["completion_length"].sum()) / update_time,
                             "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
-                            "perf/update_time": update_time, **trainer.stats.summary()})
+                            "perf/decode_steps": stats["decode_steps"], "perf/update_time": update_time,
+                            **trainer.stats.summary()})
             world_metrics = data_parallel.reduce_metrics(metrics)
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
