@@ -191,18 +191,20 @@ def test_compiled_update_equals_eager_after_k_steps(device):
         torch.testing.assert_close(metrics, results[0][1], rtol=1e-4, atol=1e-5)
 
 
-def test_bfloat16_weights_take_adams_small_steps_through_float32_masters():
+def test_bfloat16_weights_take_adams_small_steps_through_float32_masters(device):
     """At lr 5e-6 Adam's steps are under half a bf16 ulp of most weights: stepped in bf16 they round away (92% of
     the weights stayed put). The masters move as float32 ones do, the model is them rounded, and a checkpoint brings
-    them back exactly."""
-    batch, rewards = _batch(), torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
-    args = grpo.Args(group_size=4, num_prompts=2, micro_batch=4, num_minibatches=2, learning_rate=5e-6)
+    them back exactly. On CUDA through the compiled and graphed optimizer step."""
+    batch, rewards = _batch().to(device), torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0], device=device)
+    gpu = device.type == "cuda"
+    args = grpo.Args(group_size=4, num_prompts=2, micro_batch=4, num_minibatches=2, learning_rate=5e-6,
+                     device=device.type, compile=gpu, cudagraphs=gpu)
     moved = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model = _tiny_model().to(dtype)
-        learner = grpo.Learner(model, args, torch.device("cpu"))
+        model = _tiny_model().to(device, dtype)
+        learner = grpo.Learner(model, args, device)
         before = torch.cat([p.detach().float().flatten() for p in learner.master or model.parameters()])
-        for k in range(2):
+        for k in range(3):  # on CUDA: two warm-up calls, then the captured graph replays
             learner.update(batch, rewards, version=k)
         after = torch.cat([p.detach().float().flatten() for p in learner.master or model.parameters()])
         moved[dtype] = (after != before).float().mean()
@@ -210,7 +212,7 @@ def test_bfloat16_weights_take_adams_small_steps_through_float32_masters():
     assert moved[torch.float32] > 0.99 and moved[torch.bfloat16] > 0.99, moved
 
     state = grpo.learner_state(learner)
-    resumed = grpo.Learner(_tiny_model(seed=1).to(torch.bfloat16), args, torch.device("cpu"))
+    resumed = grpo.Learner(_tiny_model(seed=1).to(device, torch.bfloat16), args, device)
     grpo.restore(resumed, state)
     assert all(torch.equal(a, b) for a, b in zip(resumed.master, learner.master))
     assert torch.equal(_params(resumed.model), _params(model))
