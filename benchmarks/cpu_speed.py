@@ -95,8 +95,9 @@ def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [f"## PPO CartPole, {results['total_timesteps']:,} steps, launch to exit ({m['slug']})", "",
              f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {results['created']}. Each run is a process of "
-             "its own, started one after the other. `start-up`: launch to the end of the warm-up iterations, "
-             "compile included. `speed-up`: the reference's wall time over the run's.", "",
+             "its own, started one after the other. `start-up`: the wall time outside the steady steps: launch to the "
+             "end of the warm-up iterations, compile included, and the end (last checkpoint, the interpreter's "
+             "teardown). `speed-up`: the reference's wall time over the run's.", "",
              "| envs | run | wall s | speed-up | start-up s | env-steps/s after start-up | final return |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     for num_envs, runs in results["envs"].items():

@@ -2,6 +2,7 @@
 compares with its own. And how a script ends: quietly, with the shell's exit code, on Ctrl-C or SIGTERM."""
 
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -162,7 +163,12 @@ def signals_deferred():
 def clean_exit():
     """Around a script's main: Ctrl-C and SIGTERM end it with no traceback and the shell's exit codes (130, 143;
     the run has saved its checkpoint and printed its summary), and a checkpoint it cannot resume with its one-line
-    error (exit code 2). Library code raises; scripts end cleanly."""
+    error (exit code 2). Library code raises; scripts end cleanly.
+    The objects that exist on entry (the imported modules, torch's above all) live until the process ends, so they
+    are frozen out of Python's cyclic garbage collector, whose full collections walked them for 0.3 s of an 8.5 s
+    compiled PPO CartPole run (2-core CPU). Unfrozen on the way out, the interpreter's teardown frees them as usual
+    (left frozen, they outlive it: 0.8 s faster, but bindings such as ale-py's then report leaks)."""
+    gc.freeze()
     previous = _raise_on_sigterm()
     try:
         yield
@@ -173,3 +179,4 @@ def clean_exit():
         sys.exit(2)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        gc.unfreeze()
