@@ -90,7 +90,7 @@ def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> 
     it (`check_resumable`: `may_change` names the flags this algorithm lets a resume change, e.g. total_timesteps
     where no schedule depends on it). Every failure is a one-line error naming the file."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--resume: no checkpoint at {path!r}")
+        raise CheckpointError(f"--resume {path}: no checkpoint at that path")
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:  # torch.load's errors for a torn or foreign file are its internals (pickle, zip, OS)

@@ -130,7 +130,7 @@ def test_checkpoint_round_trip_restores_rng(tmp_path):
 
 
 def test_resume_from_a_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+    with pytest.raises(leanrl.CheckpointError, match="no checkpoint at that path"):
         leanrl.load_checkpoint(str(tmp_path / "nope.pt"))
 
 

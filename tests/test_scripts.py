@@ -51,7 +51,10 @@ def test_unknown_env_id_fails_before_any_compile(tmp_path):
 
 def test_resume_from_a_missing_file_fails_before_any_compile(tmp_path):
     proc = run_script("ppo_cartpole.py", ["--resume", str(tmp_path / "missing.pt"), "--compile"], tmp_path)
-    assert proc.returncode != 0 and "no checkpoint at" in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: --resume {tmp_path / 'missing.pt'}: no checkpoint at that path"
 
 
 def test_cartpole_runs_as_one_graph_per_iteration(tmp_path):
