@@ -81,8 +81,8 @@ def check_args(args: Args) -> int:
     Returns the number of iterations (vector env steps)."""
     num_iterations = check_replay_args(args)
     if args.train_frequency < 1 or args.target_network_frequency < 1:
-        raise ValueError(f"train_frequency = {args.train_frequency} and target_network_frequency = "
-                         f"{args.target_network_frequency} must be at least 1")
+        raise leanrl.UsageError(f"train_frequency = {args.train_frequency} and target_network_frequency = "
+                                f"{args.target_network_frequency} must be at least 1")
     leanrl.check_flags(args, unit_interval=("start_e", "end_e", "exploration_fraction", "eval_epsilon"))
     return num_iterations
 

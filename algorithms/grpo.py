@@ -486,20 +486,21 @@ def check_args(args: Args, world: int = 1):
                        unit_interval=("top_p",))
     B = args.num_prompts * args.group_size
     if args.num_prompts % world:
-        raise ValueError(f"--num-prompts {args.num_prompts}: must split evenly over the {world} data-parallel ranks "
-                         "torchrun started (every rank samples whole groups)")
+        raise leanrl.UsageError(f"--num-prompts {args.num_prompts}: must split evenly over the {world} data-parallel "
+                                "ranks torchrun started (every rank samples whole groups)")
     if args.group_size < 2:
-        raise ValueError(f"--group-size {args.group_size}: a group-relative advantage needs at least 2 completions")
+        raise leanrl.UsageError(f"--group-size {args.group_size}: a group-relative advantage needs at least 2 "
+                                "completions")
     if B // world % args.num_minibatches:
         share = f" per rank (over {world} data-parallel ranks)" if world > 1 else ""
-        raise ValueError(f"--num-prompts x --group-size = {B // world} sequences{share} must split into "
-                         f"--num-minibatches {args.num_minibatches} equal minibatches")
+        raise leanrl.UsageError(f"--num-prompts x --group-size = {B // world} sequences{share} must split into "
+                                f"--num-minibatches {args.num_minibatches} equal minibatches")
     if not args.temperature > 0:
-        raise ValueError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
+        raise leanrl.UsageError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
     if args.total_timesteps < B:
-        raise ValueError(f"--total-timesteps {args.total_timesteps}: less than one batch of {B} completions")
+        raise leanrl.UsageError(f"--total-timesteps {args.total_timesteps}: less than one batch of {B} completions")
     if args.task not in TASKS:
-        raise ValueError(f"--task {args.task!r}: choose one of {sorted(TASKS)}")
+        raise leanrl.UsageError(f"--task {args.task!r}: choose one of {sorted(TASKS)}")
 
 
 def load_policy(args: Args, device, model_dir: str | None = None):

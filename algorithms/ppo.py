@@ -85,11 +85,11 @@ def check_args(args: Args) -> tuple[int, int, int]:
                        unit_interval=("gamma", "gae_lambda"))
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
-        raise ValueError(f"num_envs * num_steps = {batch_size} is not divisible by num_minibatches = "
-                         f"{args.num_minibatches}")
+        raise leanrl.UsageError(f"num_envs * num_steps = {batch_size} is not divisible by num_minibatches = "
+                                f"{args.num_minibatches}")
     num_iterations = args.total_timesteps // batch_size
     if num_iterations < 1:
-        raise ValueError(f"total_timesteps = {args.total_timesteps} is less than one batch ({batch_size} steps)")
+        raise leanrl.UsageError(f"total_timesteps = {args.total_timesteps} is less than one batch ({batch_size} steps)")
     return batch_size, batch_size // args.num_minibatches, num_iterations
 
 
@@ -503,10 +503,10 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     device = device or leanrl.resolve_device(args.device)
     batch_size, _, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
-        raise ValueError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
+        raise leanrl.UsageError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
     evaluating = args.eval_every > 0 or args.capture_video
     if evaluating and make_eval_envs is None:
-        raise ValueError("--eval-every / --capture-video: train() was given no make_eval_envs")
+        raise leanrl.UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")

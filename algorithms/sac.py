@@ -78,9 +78,9 @@ def check_args(args: Args) -> int:
     Returns the number of iterations (vector env steps)."""
     num_iterations = check_replay_args(args, learning_rates=("policy_lr", "q_lr"))
     if args.policy_frequency < 1:
-        raise ValueError(f"policy_frequency = {args.policy_frequency} must be at least 1")
+        raise leanrl.UsageError(f"policy_frequency = {args.policy_frequency} must be at least 1")
     if not args.autotune and args.alpha < 0:
-        raise ValueError(f"alpha = {args.alpha} must be >= 0")
+        raise leanrl.UsageError(f"alpha = {args.alpha} must be >= 0")
     return num_iterations
 
 

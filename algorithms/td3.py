@@ -75,7 +75,7 @@ def check_args(args: Args) -> int:
     Returns the number of iterations (vector env steps)."""
     num_iterations = check_replay_args(args)
     if args.policy_frequency < 1:
-        raise ValueError(f"policy_frequency = {args.policy_frequency} must be at least 1")
+        raise leanrl.UsageError(f"policy_frequency = {args.policy_frequency} must be at least 1")
     return num_iterations
 
 

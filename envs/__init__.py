@@ -12,6 +12,8 @@ import re
 import gymnasium
 import torch
 
+from leanrl.run import UsageError
+
 SUPPORTED = (
     "Atari: 'ALE/<Game>-v5' or '<Game>NoFrameskip-v4', e.g. 'ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'; "
     "gymnasium/MuJoCo: any registered id, e.g. 'HalfCheetah-v5', 'Hopper-v5', 'Pendulum-v1', 'CartPole-v1'; "
@@ -32,7 +34,7 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
         if not isinstance(video_folder, (str, os.PathLike)):
             raise TypeError(f"video_folder must be a path (str or os.PathLike), got {type(video_folder).__name__}")
         if env_id.startswith("torch/"):
-            raise ValueError(f"{env_id!r} steps in torch and does not render, so it cannot record to video_folder: "
+            raise UsageError(f"{env_id!r} steps in torch and does not render, so it cannot record to video_folder: "
                              f"use the gymnasium id {env_id.removeprefix('torch/')!r} to record videos")
         kwargs["video_folder"] = video_folder
     if env_id.startswith("torch/"):
@@ -48,4 +50,4 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
         from .gym import GymEnv
 
         return GymEnv(env_id, num_envs, device, seed, **kwargs)
-    raise ValueError(f"Unknown env id {env_id!r}. Supported families: {SUPPORTED}")
+    raise UsageError(f"Unknown env id {env_id!r}. Supported families: {SUPPORTED}")

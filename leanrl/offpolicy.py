@@ -22,36 +22,37 @@ def check_replay_args(args, learning_rates=("learning_rate",)) -> int:
     leanrl.check_flags(args, positive=("num_envs", "buffer_size", "batch_size", "eval_episodes", *learning_rates),
                        non_negative=("learning_starts", "eval_every"), unit_interval=("gamma",))
     if args.total_timesteps < args.num_envs:
-        raise ValueError(f"total_timesteps = {args.total_timesteps} is less than one step of num_envs = "
-                         f"{args.num_envs} environments")
+        raise leanrl.UsageError(f"total_timesteps = {args.total_timesteps} is less than one step of num_envs = "
+                                f"{args.num_envs} environments")
     if args.batch_size > args.buffer_size:
-        raise ValueError(f"batch_size = {args.batch_size} must be at most buffer_size = {args.buffer_size}")
+        raise leanrl.UsageError(f"batch_size = {args.batch_size} must be at most buffer_size = {args.buffer_size}")
     if args.learning_starts >= args.total_timesteps:
-        raise ValueError(f"learning_starts = {args.learning_starts} must be less than total_timesteps = "
-                         f"{args.total_timesteps}: otherwise no update would ever run")
+        raise leanrl.UsageError(f"learning_starts = {args.learning_starts} must be less than total_timesteps = "
+                                f"{args.total_timesteps}: otherwise no update would ever run")
     if not 0 < args.tau <= 1:
-        raise ValueError(f"tau = {args.tau} must be in (0, 1]")
+        raise leanrl.UsageError(f"tau = {args.tau} must be in (0, 1]")
     return args.total_timesteps // args.num_envs
 
 
 def check_envs(algo: str, args, envs, eval_envs):
     """The env matches the arguments, and an evaluation has an env to run in."""
     if envs.num_envs != args.num_envs:
-        raise ValueError(f"envs has {envs.num_envs} environments, args.num_envs = {args.num_envs}")
+        raise leanrl.UsageError(f"envs has {envs.num_envs} environments, args.num_envs = {args.num_envs}")
     if args.eval_every and eval_envs is None:
-        raise ValueError(f"{algo}: eval_every > 0 needs an evaluation env (eval_envs)")
+        raise leanrl.UsageError(f"{algo}: eval_every > 0 needs an evaluation env (eval_envs)")
 
 
 def check_box_spaces(algo: str, observation_space, action_space):
     """TD3 and SAC act in a bounded Box and read flat observations."""
     if hasattr(action_space, "n") or not hasattr(action_space, "low"):
-        raise ValueError(f"{algo} needs a continuous (Box) action space; got {action_space} "
-                         "(use DQN for discrete actions)")
+        raise leanrl.UsageError(f"{algo} needs a continuous (Box) action space; got {action_space} "
+                                "(use DQN for discrete actions)")
     low, high = torch.as_tensor(action_space.low), torch.as_tensor(action_space.high)
     if not (torch.isfinite(low).all() and torch.isfinite(high).all()):
-        raise ValueError(f"{algo} needs a bounded action space; got low={action_space.low}, high={action_space.high}")
+        raise leanrl.UsageError(f"{algo} needs a bounded action space; got low={action_space.low}, "
+                                f"high={action_space.high}")
     if len(observation_space.shape) != 1:
-        raise ValueError(f"{algo} reads flat observations; got shape {observation_space.shape}")
+        raise leanrl.UsageError(f"{algo} reads flat observations; got shape {observation_space.shape}")
 
 
 def make_twin_q(qnet, looped: bool = False):

@@ -10,6 +10,11 @@ import numpy as np
 import torch
 
 
+class UsageError(ValueError):
+    """Input a run cannot work with, named as the user gave it (a flag, a file or directory a flag names): a script
+    prints its message alone, with exit code 2 (`clean_exit`), before anything long has started."""
+
+
 @dataclass
 class RunArgs:
     exp_name: str = "leanrl"
@@ -55,7 +60,7 @@ def check_flags(args, positive=(), non_negative=(), unit_interval=()) -> None:
     for names, ok, rule in rules:
         for name in names:
             if not ok(getattr(args, name)):
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,7 +68,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        raise UsageError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
     return device
 
 

@@ -89,7 +89,10 @@ def test_script_runs_in_every_mode_and_resumes(script, mode, tmp_path):
 ])
 def test_bad_input_fails_before_any_compile(script, flags, message, tmp_path):
     """The scripts check their arguments, and the algorithms their env, before anything is compiled
-    (every check is unit-tested in test_offpolicy.py; these two show the scripts reach them)."""
+    (every check is unit-tested in test_offpolicy.py; these two show the scripts reach them), and say so in one
+    line, with exit code 2."""
     proc = run_script(script, flags + ["--compile"], tmp_path)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last
     assert "torch._dynamo" not in proc.stderr and "inductor" not in proc.stderr

