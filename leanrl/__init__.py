@@ -13,6 +13,6 @@ from leanrl.run import (RunArgs, UsageError, check_flags, make_run_dir, resolve_
 __all__ = [
     "WARMUP", "accelerate", "compiling_on_cpu", "gradient_step", "make_adam", "wrap_flags",
     "load_optimizer_state", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "Logger", "TorchVectorEnv", "RunArgs",
-    "UsageError", "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt", "CheckpointError", "clean_exit",
-    "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs", "seed_everything",
+    "UsageError", "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt", "CheckpointError",
+    "clean_exit", "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs", "seed_everything",
 ]

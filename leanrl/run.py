@@ -1,4 +1,4 @@
-"""What every run shares: its arguments, seeding, device and run directory."""
+"""What every run shares: its arguments (and the error for bad ones), seeding, device and run directory."""
 
 import os
 import random
