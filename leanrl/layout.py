@@ -68,6 +68,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from leanrl.run import UsageError
+
 MODES = ("sync", "one_step_off", "pipelined")
 
 
@@ -114,12 +116,12 @@ class Model:
         """From a local model directory's config.json (Llama/Qwen/Mistral layout); parameters counted from it."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
-            raise ValueError(f"model dir {path!r}: no config.json there")
+            raise UsageError(f"model dir {path!r}: no config.json there")
         c = json.load(open(cfg_path))
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size") if k not in c]
         if missing:
-            raise ValueError(f"model dir {path!r}: config.json lacks {missing}")
+            raise UsageError(f"model dir {path!r}: config.json lacks {missing}")
         h, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
         kv_heads, head_dim = c.get("num_key_value_heads", heads), c.get("head_dim") or h // heads
         attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
@@ -141,11 +143,11 @@ class Lengths:
 
     def __post_init__(self):
         if self.kind not in ("lognormal", "constant", "empirical"):
-            raise ValueError(f"lengths.kind {self.kind!r}: choose lognormal, constant or empirical")
+            raise UsageError(f"lengths.kind {self.kind!r}: choose lognormal, constant or empirical")
         if self.kind == "empirical" and not self.values:
-            raise ValueError("lengths.values: an empirical distribution needs at least one length")
+            raise UsageError("lengths.values: an empirical distribution needs at least one length")
         if self.kind != "empirical" and not 1 <= self.median <= self.cap:
-            raise ValueError(f"lengths.median {self.median}: must be between 1 and lengths.cap {self.cap}")
+            raise UsageError(f"lengths.median {self.median}: must be between 1 and lengths.cap {self.cap}")
 
     @functools.cached_property
     def _grid(self):  # quantiles at 4096 mid-points: every moment and E[max] below from one grid
@@ -184,7 +186,7 @@ def lengths_from_metrics(path: str, cap: int | None = None) -> Lengths:
     means = [r["charts/response_length_mean"] for r in rows if "charts/response_length_mean" in r]
     p90s = [r["charts/response_length_p90"] for r in rows if "charts/response_length_p90" in r]
     if not means or not p90s:
-        raise ValueError(f"lengths from {path!r}: no charts/response_length_mean and _p90 logged")
+        raise UsageError(f"lengths from {path!r}: no charts/response_length_mean and _p90 logged")
     mean, ratio = float(np.mean(means)), float(np.mean(p90s)) / float(np.mean(means))
     z = NormalDist().inv_cdf(0.9)
     grid = np.linspace(0.0, z, 2001)  # exp(zσ − σ²/2) rises on [0, z]
@@ -210,11 +212,11 @@ class LatencyCurve:
     def from_file(cls, path: str, mode: str = "eager") -> "LatencyCurve":
         data = json.load(open(path))
         if "points" not in data:
-            raise ValueError(f"latency curve {path!r}: no 'points' (written by benchmarks/sampler_latency.py)")
+            raise UsageError(f"latency curve {path!r}: no 'points' (written by benchmarks/sampler_latency.py)")
         pts = sorted((p["batch"], p["step_time_s"]) for p in data["points"] if p.get("mode") == mode)
         if not pts:
             modes = sorted({p.get("mode") for p in data["points"]})
-            raise ValueError(f"latency curve {path!r}: no points for mode {mode!r}; it has {modes}")
+            raise UsageError(f"latency curve {path!r}: no points for mode {mode!r}; it has {modes}")
         return cls(tuple(b for b, _ in pts), tuple(t for _, t in pts))
 
 
@@ -269,27 +271,27 @@ def check(s: Setup):
                gpus_per_trainer=s.gpus_per_trainer, params=s.model.params, layers=s.model.layers)
     for name, v in pos.items():
         if not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"{name} {v!r}: must be a positive number")
+            raise UsageError(f"{name} {v!r}: must be a positive number")
     if s.mode not in MODES:
-        raise ValueError(f"mode {s.mode!r}: choose one of {MODES}")
+        raise UsageError(f"mode {s.mode!r}: choose one of {MODES}")
     if s.max_lag < 0:
-        raise ValueError(f"max_lag {s.max_lag}: cannot be negative")
+        raise UsageError(f"max_lag {s.max_lag}: cannot be negative")
     if s.handoff_s < 0:
-        raise ValueError(f"handoff_s {s.handoff_s}: cannot be negative")
+        raise UsageError(f"handoff_s {s.handoff_s}: cannot be negative")
     if s.mode == "pipelined" and s.max_lag == 0:
-        raise ValueError("max_lag 0 with mode pipelined: nothing may be generated while the trainer trains; use "
+        raise UsageError("max_lag 0 with mode pipelined: nothing may be generated while the trainer trains; use "
                          "mode sync, or max_lag >= 1")
     if s.batch % s.group_size:
-        raise ValueError(f"batch {s.batch}: must be a multiple of group_size {s.group_size}")
+        raise UsageError(f"batch {s.batch}: must be a multiple of group_size {s.group_size}")
     if s.consume not in ("finish", "ticket"):
-        raise ValueError(f"consume {s.consume!r}: choose finish or ticket")
+        raise UsageError(f"consume {s.consume!r}: choose finish or ticket")
     if not 0 < s.mfu <= 1:
-        raise ValueError(f"mfu {s.mfu}: must be in (0, 1]")
+        raise UsageError(f"mfu {s.mfu}: must be in (0, 1]")
     if s.mode != "sync" and s.total_gpus < s.tp + s.gpus_per_trainer and s.train_step_s is None:
-        raise ValueError(f"total_gpus {s.total_gpus}: a split needs at least tp + gpus_per_trainer = "
+        raise UsageError(f"total_gpus {s.total_gpus}: a split needs at least tp + gpus_per_trainer = "
                          f"{s.tp + s.gpus_per_trainer}")
     if s.latency is None and s.model.params * s.model.weight_bytes > s.tp * s.gpu.memory * s.mem_util:
-        raise ValueError(f"model: {s.model.params * s.model.weight_bytes / 1e9:.1f} GB of weights do not fit in "
+        raise UsageError(f"model: {s.model.params * s.model.weight_bytes / 1e9:.1f} GB of weights do not fit in "
                          f"tp={s.tp} x {s.gpu.name} ({s.gpu.memory / 1e9:.0f} GB, {s.mem_util:.0%} usable); "
                          "raise tp")
 
@@ -335,10 +337,10 @@ def train_step_time(s: Setup, n_train: int) -> float:  # (8)
 def check_batch(s: Setup, b: int):
     cap = kv_cap(s)
     if s.latency is None and b > cap:
-        raise ValueError(f"per-replica batch {b}: above the KV-cache cap {cap} for {s.model.kv_per_token:.0f} "
+        raise UsageError(f"per-replica batch {b}: above the KV-cache cap {cap} for {s.model.kv_per_token:.0f} "
                          f"bytes/token x {s.prompt_len + s.lengths.max:.0f} tokens on tp={s.tp} x {s.gpu.name}")
     if b < 1:
-        raise ValueError(f"per-replica batch {b}: must be at least 1")
+        raise UsageError(f"per-replica batch {b}: must be at least 1")
 
 
 @dataclass
@@ -375,10 +377,10 @@ def predict(s: Setup, n_sample: int, b: int) -> Prediction:
     """The closed-form model at a split (n_sample GPUs sample, the rest train; sync: all do both) and B = b."""
     check_batch(s, b)
     if s.mode != "sync" and n_sample % s.tp:
-        raise ValueError(f"n_sample {n_sample}: must be a multiple of tp {s.tp}")
+        raise UsageError(f"n_sample {n_sample}: must be a multiple of tp {s.tp}")
     n_train = s.total_gpus if s.mode == "sync" else s.total_gpus - n_sample
     if s.mode != "sync" and s.train_step_s is None and (n_train < 1 or n_train % s.gpus_per_trainer):
-        raise ValueError(f"n_train {n_train}: must be a positive multiple of gpus_per_trainer {s.gpus_per_trainer}")
+        raise UsageError(f"n_train {n_train}: must be a positive multiple of gpus_per_trainer {s.gpus_per_trainer}")
     replicas = (s.total_gpus if s.mode == "sync" else n_sample) // s.tp
     T, El, El2 = train_step_time(s, n_train), s.lengths.moment(1), s.lengths.moment(2)
     tok = s.lengths.moment(1)
@@ -613,11 +615,11 @@ def splits(s: Setup) -> list[int]:
 def sweep(s: Setup, batches: list[int] | None = None) -> list[Prediction]:
     """Every split and per-replica batch under the KV cap, best first (throughput, then lower lag)."""
     if s.latency is None and kv_cap(s) < 1:
-        raise ValueError(f"model: no KV-cache room on tp={s.tp} x {s.gpu.name} for one sequence of "
+        raise UsageError(f"model: no KV-cache room on tp={s.tp} x {s.gpu.name} for one sequence of "
                          f"{s.prompt_len + s.lengths.max:.0f} tokens")
     out = [predict(s, n, b) for n in splits(s) for b in (batches or candidate_batches(s))]
     if not out:
-        raise ValueError(f"total_gpus {s.total_gpus}: no split into tp={s.tp} samplers and trainers of "
+        raise UsageError(f"total_gpus {s.total_gpus}: no split into tp={s.tp} samplers and trainers of "
                          f"{s.gpus_per_trainer}")
     return sorted(out, key=lambda p: (-round(p.seqs_per_s, 9), p.lag_mean, p.slots))
 
@@ -632,7 +634,7 @@ def read_metrics(path: str) -> dict:
             if line.strip():
                 last.update(json.loads(line))
     if not last:
-        raise ValueError(f"metrics {path!r}: empty")
+        raise UsageError(f"metrics {path!r}: empty")
     return last
 
 
@@ -650,7 +652,7 @@ def compare(pred: Prediction, measured: dict, seqs_per_unit: float = 1.0) -> lis
         if key in measured:
             rows.append((name, val, measured[key], val - measured[key]))
     if not rows:
-        raise ValueError("metrics: none of charts/SPS, async/lag_mean, async/trainer_idle_frac, "
+        raise UsageError("metrics: none of charts/SPS, async/lag_mean, async/trainer_idle_frac, "
                          "async/collector_idle_frac logged")
     return rows
 
@@ -660,14 +662,14 @@ def load_setup(cfg: dict) -> Setup:
     cfg = dict(cfg)
     for key in ("total_gpus", "model", "gpu"):
         if key not in cfg or cfg[key] is None:
-            raise ValueError(f"{key}: missing (needed by the planner)")
+            raise UsageError(f"{key}: missing (needed by the planner)")
     model = cfg.pop("model")
     if isinstance(model, str):
         model = Model.from_dir(model)
     elif isinstance(model, dict):
         need = [k for k in ("params", "layers", "kv_heads", "head_dim") if k not in model]
         if need:
-            raise ValueError(f"model: missing {need}")
+            raise UsageError(f"model: missing {need}")
         model = dict(model)
         for k in ("weight_bytes", "kv_bytes"):
             if isinstance(model.get(k), str):
@@ -677,12 +679,12 @@ def load_setup(cfg: dict) -> Setup:
     gpu = cfg.pop("gpu")
     if isinstance(gpu, str):
         if gpu.upper() not in GPUS:
-            raise ValueError(f"gpu {gpu!r}: not in the table {sorted(GPUS)}; give flops, bandwidth, memory")
+            raise UsageError(f"gpu {gpu!r}: not in the table {sorted(GPUS)}; give flops, bandwidth, memory")
         gpu = GPUS[gpu.upper()]
     elif isinstance(gpu, dict):
         need = [k for k in ("flops", "bandwidth", "memory") if k not in gpu]
         if need:
-            raise ValueError(f"gpu: missing {need}")
+            raise UsageError(f"gpu: missing {need}")
         gpu = GPU(gpu.get("name", "custom"), gpu["flops"], gpu["bandwidth"], gpu["memory"])
     lengths = cfg.pop("lengths", {})
     if isinstance(lengths, dict):
@@ -693,5 +695,5 @@ def load_setup(cfg: dict) -> Setup:
         latency = LatencyCurve.from_file(latency, mode)
     unknown = set(cfg) - {f.name for f in dataclasses.fields(Setup)}
     if unknown:
-        raise ValueError(f"unknown planner inputs {sorted(unknown)}")
+        raise UsageError(f"unknown planner inputs {sorted(unknown)}")
     return Setup(model=model, gpu=gpu, lengths=lengths, latency=latency, **cfg)

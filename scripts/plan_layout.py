@@ -9,7 +9,6 @@ prediction next to a finished run's metrics. Formulas: leanrl/layout.py.
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +19,7 @@ import tyro
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import leanrl  # noqa: E402
 from leanrl import layout  # noqa: E402
 
 
@@ -118,15 +118,18 @@ FLAG_TO_KEY = {"total_gpus", "tp", "gpus_per_trainer", "batch", "group_size", "m
 
 def read_config(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ValueError(f"--config {path!r}: no such file")
+        raise leanrl.UsageError(f"--config {path!r}: no such file")
     text = open(path).read()
     if path.endswith((".yaml", ".yml")):
         import yaml
         cfg = yaml.safe_load(text)
     else:
-        cfg = json.loads(text)
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise leanrl.UsageError(f"--config {path!r}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"--config {path!r}: expected a mapping of planner inputs")
+        raise leanrl.UsageError(f"--config {path!r}: expected a mapping of planner inputs")
     return cfg
 
 
@@ -207,7 +210,7 @@ def main(a: Args):
     setup = layout.load_setup(build_config(a))
     if a.compare:
         if a.n_sample is None or a.slots is None:
-            raise ValueError("--compare needs --n-sample and --slots (the run's layout)")
+            raise leanrl.UsageError("--compare needs --n-sample and --slots (the run's layout)")
         measured = layout.read_metrics(a.compare)
         pred = layout.predict(setup, a.n_sample, a.slots)
         print(f"{'quantity':<26}{'predicted':>12}{'measured':>12}{'error':>10}")
@@ -219,7 +222,7 @@ def main(a: Args):
     if a.n_sample is not None:  # a given split (e.g. a naive 50/50): its best per-replica batch
         preds = [p for p in preds if p.n_sample == a.n_sample]
         if not preds:
-            raise ValueError(f"--n-sample {a.n_sample}: not a valid split; choose from {layout.splits(setup)}")
+            raise leanrl.UsageError(f"--n-sample {a.n_sample}: not a valid split; choose from {layout.splits(setup)}")
     shown = preds[:a.top]
     sims = {i: layout.simulate(setup, p.n_sample, p.slots, steps=a.sim_steps, warmup=a.sim_steps // 10)
             for i, p in enumerate(shown)} if a.simulate else {}
@@ -239,8 +242,5 @@ def main(a: Args):
 
 
 if __name__ == "__main__":
-    try:
+    with leanrl.clean_exit():  # bad input (leanrl.UsageError): its one-line message, no traceback
         main(tyro.cli(Args))
-    except ValueError as e:  # bad input: its one-line message, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
