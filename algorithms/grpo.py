@@ -209,12 +209,12 @@ def gather_rows(data: TensorDict, src: torch.Tensor) -> TensorDict:
     return rows
 
 
-def make_update(model, reference, optimizer, args: Args, master: list | None = None):
+def make_update(model, reference, optimizer, args: Args, params: list, master: list | None = None):
     """`micro_step(mb)`: forward and backward of one fixed-shape micro-batch, gradients accumulated in place;
     returns the sums of its token metrics and its token count. `optimizer_step()`: clip, step, zero the
-    gradients in place (captured graphs keep reading them). `master`: float32 copies of the model's parameters
-    that `optimizer` steps instead (see `Learner`); each step's gradients move there, its result back, rounded."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    gradients in place (captured graphs keep reading them). `params`: the model's trained parameters. `master`:
+    float32 copies of them that `optimizer` steps instead (see `Learner`); each step's gradients move there, its
+    result back, rounded."""
 
     def positions(mb):  # one sequence per row needs none: transformers' default positions, its plain causal mask
         return mb["position_ids"] if args.pack_sequences else None
@@ -293,7 +293,7 @@ class Learner:
         self.master = None if model.dtype == torch.float32 else [p.detach().float() for p in params]
         self.optimizer = leanrl.make_adam(self.master or params, args.learning_rate, **wrap)
         micro_step, optimizer_step, logprobs, ref_logprobs = make_update(model, self.reference, self.optimizer, args,
-                                                                         self.master)
+                                                                         params, self.master)
         self.micro_step = per_shape(micro_step, wrap)
         self.optimizer_step = leanrl.accelerate(optimizer_step, name="optimizer_step", **wrap)
         self.logprobs = per_shape(logprobs, wrap)
@@ -501,6 +501,12 @@ def check_args(args: Args, world: int = 1):
         raise leanrl.UsageError(f"--total-timesteps {args.total_timesteps}: less than one batch of {B} completions")
     if args.task not in TASKS:
         raise leanrl.UsageError(f"--task {args.task!r}: choose one of {sorted(TASKS)}")
+    if args.max_prompt_len >= args.max_len:
+        raise leanrl.UsageError(f"--max-prompt-len {args.max_prompt_len}: must be below --max-len {args.max_len} "
+                                "(a completion needs at least one token)")
+    if args.sampler == "vllm":
+        from leanrl.llm.vllm_sampler import require_vllm  # an optional extra: the module never imports vLLM itself
+        require_vllm()
 
 
 def load_policy(args: Args, device, model_dir: str | None = None):

@@ -68,9 +68,21 @@ from statistics import NormalDist
 
 import numpy as np
 
+from leanrl.logger import read_metrics
 from leanrl.run import UsageError
 
 MODES = ("sync", "one_step_off", "pipelined")
+
+
+def read_json(path: str, what: str):
+    """A JSON file the user named: a missing or malformed one is a UsageError that starts with `what`."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise UsageError(f"{what}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{what}: not valid JSON ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,7 @@ class Model:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise UsageError(f"model dir {path!r}: no config.json there")
-        c = json.load(open(cfg_path))
+        c = read_json(cfg_path, f"model dir {path!r}: config.json")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size") if k not in c]
         if missing:
@@ -182,7 +194,7 @@ class Lengths:
 def lengths_from_metrics(path: str, cap: int | None = None) -> Lengths:
     """A log-normal fitted to a run's logged response lengths (charts/response_length_mean and _p90 averaged
     over its rows, cap from _max): p90 / mean = exp(1.2816·σ − σ²/2) solved for σ, median = mean / exp(σ²/2)."""
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = read_metrics(path)
     means = [r["charts/response_length_mean"] for r in rows if "charts/response_length_mean" in r]
     p90s = [r["charts/response_length_p90"] for r in rows if "charts/response_length_p90" in r]
     if not means or not p90s:
@@ -210,7 +222,7 @@ class LatencyCurve:
 
     @classmethod
     def from_file(cls, path: str, mode: str = "eager") -> "LatencyCurve":
-        data = json.load(open(path))
+        data = read_json(path, f"latency curve {path!r}")
         if "points" not in data:
             raise UsageError(f"latency curve {path!r}: no 'points' (written by benchmarks/sampler_latency.py)")
         pts = sorted((p["batch"], p["step_time_s"]) for p in data["points"] if p.get("mode") == mode)
@@ -625,14 +637,12 @@ def sweep(s: Setup, batches: list[int] | None = None) -> list[Prediction]:
 
 
 # ------------------------------------------------------------------------------------------- --compare
-def read_metrics(path: str) -> dict:
+def last_metrics(path: str) -> dict:
     """The last logged value of each key of a run's metrics.jsonl (and the run's response lengths when it
     logged them)."""
     last = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                last.update(json.loads(line))
+    for row in read_metrics(path):
+        last.update(row)
     if not last:
         raise UsageError(f"metrics {path!r}: empty")
     return last

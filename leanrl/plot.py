@@ -14,6 +14,10 @@ from typing import Literal
 import numpy as np
 import tyro
 
+from leanrl.checkpoint import clean_exit
+from leanrl.logger import read_metrics
+from leanrl.run import UsageError
+
 
 @dataclass
 class Run:
@@ -49,7 +53,7 @@ def find_metrics(path: str) -> list[str]:
     found = sorted(os.path.join(folder, "metrics.jsonl") for folder, _, files in os.walk(path)
                    if "metrics.jsonl" in files)
     if not found:
-        raise ValueError(f"{path!r}: no metrics.jsonl found there" + ("" if os.path.exists(path) else
+        raise UsageError(f"{path!r}: no metrics.jsonl found there" + ("" if os.path.exists(path) else
                                                                        " (no such file or directory)"))
     return found
 
@@ -66,23 +70,17 @@ def run_identity(run_dir: str) -> tuple[str, str, int]:
         config = {"env_id": parts[0], "exp_name": "__".join(parts[1:-2]), "seed": parts[-2], **config}
     missing = [key for key in ("env_id", "exp_name", "seed") if key not in config]
     if missing:
-        raise ValueError(f"{run_dir!r}: no {', '.join(missing)} in a config.json or in a directory name "
+        raise UsageError(f"{run_dir!r}: no {', '.join(missing)} in a config.json or in a directory name "
                          "<env>__<exp>__<seed>__<time>")
     return config["env_id"], config["exp_name"], int(config["seed"])
 
 
 def read_run(metrics_path: str, metric: str) -> Run:
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    kept = []
-    for row in rows:  # a resumed run appends from its checkpoint's step again: the later rows replace the earlier
-        while kept and kept[-1]["global_step"] >= row["global_step"]:
-            kept.pop()
-        kept.append(row)
-    points = [(row["global_step"], row[metric]) for row in kept if metric in row]
+    rows = read_metrics(metrics_path)
+    points = [(row["global_step"], row[metric]) for row in rows if metric in row]
     if not points:
         present = sorted({key for row in rows for key in row} - {"global_step"})
-        raise ValueError(f"{metrics_path!r}: no row has {metric!r}; its metrics: {', '.join(present) or 'none'}")
+        raise UsageError(f"{metrics_path!r}: no row has {metric!r}; its metrics: {', '.join(present) or 'none'}")
     steps, values = np.array(points, dtype=float).T
     return Run(metrics_path, *run_identity(os.path.dirname(os.path.abspath(metrics_path))), steps, values)
 
@@ -99,7 +97,7 @@ def curve(runs: list[Run], spread: str, smooth: int) -> Curve:
     series = [smoothed(run, smooth) for run in runs]
     first, last = max(s[0] for s, _ in series), min(s[-1] for s, _ in series)
     if first > last:
-        raise ValueError(f"runs {[run.path for run in runs]} share no global_step range to average over")
+        raise UsageError(f"runs {[run.path for run in runs]} share no global_step range to average over")
     grid = np.unique(np.concatenate([s[(s >= first) & (s <= last)] for s, _ in series]))
     on_grid = np.stack([np.interp(grid, s, v) for s, v in series])
     mean, std = on_grid.mean(0), on_grid.std(0)
@@ -110,11 +108,11 @@ def curve(runs: list[Run], spread: str, smooth: int) -> Curve:
 def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int = 1) -> list[Curve]:
     """One curve per (env_id, exp_name) among the runs under `paths`, in the order they are first found."""
     if not paths:
-        raise ValueError("no runs given: pass run directories, folders of runs or metrics.jsonl files")
+        raise UsageError("no runs given: pass run directories, folders of runs or metrics.jsonl files")
     if spread not in ("std", "minmax"):
-        raise ValueError(f"spread={spread!r}: use 'std' or 'minmax'")
+        raise UsageError(f"spread={spread!r}: use 'std' or 'minmax'")
     if smooth < 1:
-        raise ValueError(f"smooth={smooth}: a window of at least 1 logged point")
+        raise UsageError(f"smooth={smooth}: a window of at least 1 logged point")
     files = list(dict.fromkeys(os.path.realpath(f) for path in paths for f in find_metrics(path)))
     groups: dict[tuple[str, str], list[Run]] = {}
     for run in (read_run(f, metric) for f in files):
@@ -164,4 +162,5 @@ class Args:
 
 if __name__ == "__main__":
     a = tyro.cli(Args, description=__doc__)
-    print(plot_runs(a.paths, a.metric, a.out, a.spread, a.smooth))
+    with clean_exit():  # bad input (UsageError): its one-line message, no traceback
+        print(plot_runs(a.paths, a.metric, a.out, a.spread, a.smooth))

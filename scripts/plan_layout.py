@@ -117,17 +117,17 @@ FLAG_TO_KEY = {"total_gpus", "tp", "gpus_per_trainer", "batch", "group_size", "m
 
 
 def read_config(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise leanrl.UsageError(f"--config {path!r}: no such file")
-    text = open(path).read()
     if path.endswith((".yaml", ".yml")):
         import yaml
-        cfg = yaml.safe_load(text)
-    else:
         try:
-            cfg = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise leanrl.UsageError(f"--config {path!r}: not valid JSON ({e})") from None
+            with open(path) as f:
+                cfg = yaml.safe_load(f)
+        except OSError as e:
+            raise leanrl.UsageError(f"--config {path!r}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise leanrl.UsageError(f"--config {path!r}: not valid YAML ({' '.join(str(e).split())})") from None
+    else:
+        cfg = layout.read_json(path, f"--config {path!r}")
     if not isinstance(cfg, dict):
         raise leanrl.UsageError(f"--config {path!r}: expected a mapping of planner inputs")
     return cfg
@@ -211,7 +211,7 @@ def main(a: Args):
     if a.compare:
         if a.n_sample is None or a.slots is None:
             raise leanrl.UsageError("--compare needs --n-sample and --slots (the run's layout)")
-        measured = layout.read_metrics(a.compare)
+        measured = layout.last_metrics(a.compare)
         pred = layout.predict(setup, a.n_sample, a.slots)
         print(f"{'quantity':<26}{'predicted':>12}{'measured':>12}{'error':>10}")
         for name, p, m, err in layout.compare(pred, measured, a.units_per_sequence):

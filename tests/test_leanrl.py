@@ -95,6 +95,27 @@ def test_logger_raises_on_a_non_finite_loss(tmp_path):
     logger.close()
 
 
+def test_read_metrics_as_the_run_stands(tmp_path):
+    """A final evaluation row joins the row of its step, a resume replaces the rows after its checkpoint, a last
+    line cut short is left out, and any other bad line is an error naming file and line."""
+    from leanrl.logger import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"global_step": 10, "a": 1}, {"global_step": 20, "a": 2}, {"global_step": 20, "eval": 9},
+            {"global_step": 30, "a": 3}, {"global_step": 20, "a": 5}, {"global_step": 30, "a": 6}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"global_step": 40, "a"')
+    assert read_metrics(str(path)) == [{"global_step": 10, "a": 1}, {"global_step": 20, "a": 5},
+                                       {"global_step": 30, "a": 6}]
+    path.write_text('{"global_step": 10}\n\n{"global_step": 20, "a":\n{"global_step": 30}\n')
+    with pytest.raises(leanrl.UsageError, match=r"metrics.jsonl:3: not a metrics row"):
+        read_metrics(str(path))
+    path.write_text('{"step": 10}\n')
+    with pytest.raises(leanrl.UsageError, match=r"metrics.jsonl:1: not a metrics row \(JSON with a global_step\)"):
+        read_metrics(str(path))
+    with pytest.raises(leanrl.UsageError, match="missing.jsonl'?: No such file"):
+        read_metrics(str(tmp_path / "missing.jsonl"))
+
+
 class _Timed(Exception):
     stop_reason = "the benchmark, once timed"
 

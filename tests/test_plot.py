@@ -81,6 +81,14 @@ def test_a_resumed_run_keeps_the_rows_logged_after_the_resume(tmp_path):
     np.testing.assert_array_equal(a.mean, [0, 5, 6, 7])
 
 
+def test_a_final_evaluation_row_at_the_last_step_keeps_that_steps_return(tmp_path):
+    write_run(tmp_path, "toy-Env-v0__a__1__1700000000",
+              [{"global_step": 10, METRIC: 1.0}, {"global_step": 20, METRIC: 2.0},
+               {"global_step": 20, "charts/eval_return": 9.0}])
+    (a,) = plot.load_curves([str(tmp_path)], METRIC)
+    np.testing.assert_array_equal(a.steps, [10, 20])
+
+
 def test_plot_runs_writes_a_png(runs, tmp_path):
     import matplotlib.image
 
@@ -99,6 +107,10 @@ def test_command_line(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "leanrl.plot", str(runs), "--metric", "losses/y"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "no row has 'losses/y'" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_errors_name_the_input(runs, tmp_path):

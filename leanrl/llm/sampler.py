@@ -23,6 +23,7 @@ from tensordict import TensorDict, from_module
 
 from leanrl.acceleration import accelerate
 from leanrl.llm.models import FAMILIES
+from leanrl.run import UsageError
 
 
 # The products a layer (and the head) computes, each from one or more weight matrices concatenated along the output.
@@ -94,23 +95,23 @@ class Sampler:
         config = model.config
         self.family = config.model_type
         if self.family not in FAMILIES:
-            raise ValueError(f"model: model_type {self.family!r} is not supported (supported: {FAMILIES})")
+            raise UsageError(f"model: model_type {self.family!r} is not supported (supported: {FAMILIES})")
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
-            raise ValueError(f"model: layer_types {config.layer_types}: only full attention is supported")
+            raise UsageError(f"model: layer_types {config.layer_types}: only full attention is supported")
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"model: hidden_act {config.hidden_act!r}: only silu is supported")
+            raise UsageError(f"model: hidden_act {config.hidden_act!r}: only silu is supported")
         vocab = config.vocab_size
         for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
             if value is None or not 0 <= value < vocab:
-                raise ValueError(f"{name}={value}: must be a token id of the model's vocabulary [0, {vocab})")
+                raise UsageError(f"{name}={value}: must be a token id of the model's vocabulary [0, {vocab})")
         max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
         if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
-            raise ValueError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
+            raise UsageError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
                              "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
         if not temperature > 0:
-            raise ValueError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
+            raise UsageError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
         if not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
+            raise UsageError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
         self.num_slots, self.max_len, self.max_prompt_len = num_slots, max_len, max_prompt_len
         self.eos_token_id, self.pad_token_id, self.vocab_size = eos_token_id, pad_token_id, vocab
         self.temperature, self.top_p, self.top_k, self.recompute_kv = temperature, top_p, top_k, recompute_kv
@@ -370,10 +371,10 @@ class Sampler:
 
     def _check_prompt(self, prompt_id, tokens):
         if not 1 <= len(tokens) <= self.max_prompt_len:
-            raise ValueError(f"prompt_id {prompt_id}: {len(tokens)} tokens; a prompt needs 1 to "
+            raise UsageError(f"prompt_id {prompt_id}: {len(tokens)} tokens; a prompt needs 1 to "
                              f"{self.max_prompt_len} tokens (max_len={self.max_len} holds prompt + completion)")
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise ValueError(f"prompt_id {prompt_id}: token ids outside the model's vocabulary [0, {self.vocab_size})"
+            raise UsageError(f"prompt_id {prompt_id}: token ids outside the model's vocabulary [0, {self.vocab_size})"
                              " (vocabulary mismatch between tokenizer and model?)")
 
     def _check_batch(self, batch, group_size: int) -> int:

