@@ -8,6 +8,7 @@ exp_name) form one curve: their mean against global_step, with the spread over s
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,8 +115,19 @@ def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int 
     if smooth < 1:
         raise UsageError(f"smooth={smooth}: a window of at least 1 logged point")
     files = list(dict.fromkeys(os.path.realpath(f) for path in paths for f in find_metrics(path)))
+    runs, skipped = [], []
+    for f in files:  # a run that cannot be drawn (it logged no `metric`, or has no identity) is left out, and said
+        try:
+            runs.append(read_run(f, metric))
+        except UsageError as e:
+            skipped.append(str(e))
+    if not runs:
+        raise UsageError(skipped[0] if len(skipped) == 1 else f"none of {len(files)} runs can be drawn; the "
+                         f"first: {skipped[0]}")
+    for reason in skipped:
+        print(f"leanrl.plot: left out {reason}", file=sys.stderr)
     groups: dict[tuple[str, str], list[Run]] = {}
-    for run in (read_run(f, metric) for f in files):
+    for run in runs:
         # run names lose the '/' of env ids: a run without config.json still joins its experiment
         groups.setdefault((run.env_id.replace("/", "-"), run.exp_name), []).append(run)
     return [curve(runs, spread, smooth) for runs in groups.values()]

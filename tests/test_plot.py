@@ -3,6 +3,7 @@ hand-computed values, smoothing, resumed runs, the PNG, the command line, and th
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,16 @@ def test_a_final_evaluation_row_at_the_last_step_keeps_that_steps_return(tmp_pat
                {"global_step": 20, "charts/eval_return": 9.0}])
     (a,) = plot.load_curves([str(tmp_path)], METRIC)
     np.testing.assert_array_equal(a.steps, [10, 20])
+
+
+def test_a_folder_with_a_run_that_cannot_be_drawn_draws_the_others_and_says_so(runs, capsys):
+    write_run(runs, "toy-Env-v0__a__3__1700000300", [{"global_step": 0, "losses/x": 1.0}])
+    a, b = plot.load_curves([str(runs)], METRIC)
+    assert a.seeds == [1, 2] and b.seeds == [7]
+    assert re.fullmatch(r"leanrl.plot: left out '.*a__3__1700000300/metrics.jsonl': no row has "
+                        r"'charts/episodic_return'; its metrics: losses/x\n", capsys.readouterr().err)
+    with pytest.raises(ValueError, match=r"none of 4 runs can be drawn; the first: .*no row has 'losses/y'"):
+        plot.load_curves([str(runs)], "losses/y")
 
 
 def test_plot_runs_writes_a_png(runs, tmp_path):
