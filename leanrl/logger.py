@@ -212,4 +212,3 @@ def read_metrics(path: str) -> list[dict]:
             rows.pop()
         rows.append(row)
     return rows
-

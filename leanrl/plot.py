@@ -130,7 +130,7 @@ def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int 
     for run in runs:
         # run names lose the '/' of env ids: a run without config.json still joins its experiment
         groups.setdefault((run.env_id.replace("/", "-"), run.exp_name), []).append(run)
-    return [curve(runs, spread, smooth) for runs in groups.values()]
+    return [curve(group, spread, smooth) for group in groups.values()]
 
 
 def plot_runs(paths: list[str], metric: str, out: str, spread: str = "std", smooth: int = 1) -> str:
