@@ -65,6 +65,26 @@ class _Group:
         self.kv_slot, self.kv_version = None, None  # the slot whose prefill holds the prompt's cache, its version
 
 
+def check_settings(num_slots, max_len, max_prompt_len, temperature, top_p, top_k) -> int:
+    """The settings every sampler takes, each bad one a clear error naming it; returns `max_prompt_len` (by default
+    `max_len - 1`)."""
+    max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
+    if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
+        raise UsageError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
+                         "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
+    if not temperature > 0:
+        raise UsageError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
+    if not 0 < top_p <= 1 or top_k < 0:
+        raise UsageError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
+    return max_prompt_len
+
+
+def check_token_ids(vocab_size: int, **token_ids):
+    for name, value in token_ids.items():
+        if value is None or not 0 <= value < vocab_size:
+            raise UsageError(f"{name}={value}: must be a token id of the model's vocabulary [0, {vocab_size})")
+
+
 def may_admit(ahead: int, need: int, version: int, min_version: int, carry_over: bool, min_version_step: int):
     """Whether `fill` may start another group now. With `ahead` groups admitted before it, it lands in the batch
     `ahead // need` fills after this one (groups complete about in admission order), whose min_version is higher by
@@ -101,17 +121,8 @@ class Sampler:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UsageError(f"model: hidden_act {config.hidden_act!r}: only silu is supported")
         vocab = config.vocab_size
-        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-            if value is None or not 0 <= value < vocab:
-                raise UsageError(f"{name}={value}: must be a token id of the model's vocabulary [0, {vocab})")
-        max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
-        if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
-            raise UsageError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
-                             "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
-        if not temperature > 0:
-            raise UsageError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
-        if not 0 < top_p <= 1 or top_k < 0:
-            raise UsageError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
+        check_token_ids(vocab, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        max_prompt_len = check_settings(num_slots, max_len, max_prompt_len, temperature, top_p, top_k)
         self.num_slots, self.max_len, self.max_prompt_len = num_slots, max_len, max_prompt_len
         self.eos_token_id, self.pad_token_id, self.vocab_size = eos_token_id, pad_token_id, vocab
         self.temperature, self.top_p, self.top_k, self.recompute_kv = temperature, top_p, top_k, recompute_kv

@@ -27,7 +27,7 @@ from safetensors.torch import save
 from tensordict import from_module
 
 from leanrl.llm.models import load_model
-from leanrl.llm.sampler import Sampler, may_admit
+from leanrl.llm.sampler import Sampler, check_settings, check_token_ids, may_admit
 from leanrl.run import UsageError
 
 WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
@@ -79,19 +79,11 @@ class VLLMSampler:
             raise UsageError("VLLM_ENABLE_V1_MULTIPROCESSING=0 under torchrun: an engine in this process would take "
                              "the ranks' process group as its own (and tear it down at exit); leave vLLM's engine in "
                              "a process of its own")
-        max_prompt_len = max_len - 1 if max_prompt_len is None else max_prompt_len
-        if num_slots < 1 or max_len < 2 or not 1 <= max_prompt_len <= max_len - 1:
-            raise UsageError(f"num_slots={num_slots}, max_len={max_len}, max_prompt_len={max_prompt_len}: need "
-                             "num_slots >= 1 and 1 <= max_prompt_len <= max_len - 1")
-        if not temperature > 0:
-            raise UsageError(f"temperature={temperature}: must be > 0 (for greedy decoding use top_k=1)")
-        if not 0 < top_p <= 1 or top_k < 0:
-            raise UsageError(f"top_p={top_p}, top_k={top_k}: need 0 < top_p <= 1 and top_k >= 0")
-        filtered = top_p < 1 or top_k > 0
+        max_prompt_len = check_settings(num_slots, max_len, max_prompt_len, temperature, top_p, top_k)
         # The contract's log-prob is log_softmax(logits / temperature) over the full vocabulary. vLLM gives
         # log_softmax(logits) ("raw", before temperature) or the log-probs it samples from ("processed": after
         # temperature AND the top-k/top-p mask), so one of them is that quantity unless both apply.
-        if temperature != 1 and filtered:
+        if temperature != 1 and (top_p < 1 or top_k > 0):
             raise UsageError(f"temperature={temperature} with top_p={top_p}/top_k={top_k}: vLLM cannot return "
                              "log_softmax(logits / temperature) over the full vocabulary; use temperature=1 or "
                              "no top-p/top-k")
@@ -103,10 +95,7 @@ class VLLMSampler:
         if head_dim < 32 and current_platform.is_cpu():
             raise UsageError(f"model_dir={model_dir!r}: head_dim {head_dim}; vLLM's CPU attention needs >= 32")
         self.vocab_size = config["vocab_size"]
-        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-            if value is None or not 0 <= value < self.vocab_size:
-                raise UsageError(f"{name}={value}: must be a token id of the model's vocabulary "
-                                 f"[0, {self.vocab_size})")
+        check_token_ids(self.vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         if params is None:
             model, _ = load_model(model_dir)
             params = from_module(model).data
