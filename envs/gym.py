@@ -21,6 +21,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
 from leanrl.gym_adapter import TorchVectorEnv
+from leanrl.run import MissingExtra
 
 
 class GymEnv(TorchVectorEnv):
@@ -38,7 +39,7 @@ class GymEnv(TorchVectorEnv):
                 env = _recording_vector_env(env_id, num_envs, video_folder, make_kwargs)
         except gym.error.DependencyNotInstalled as e:
             if "mujoco" in str(gym.spec(env_id).entry_point):
-                raise ImportError(f'{env_id} needs mujoco: pip install -e ".[mujoco]"') from e
+                raise MissingExtra(f'{env_id} needs mujoco: pip install -e ".[mujoco]"') from e
             raise
         space, action_space = env.single_observation_space, env.single_action_space
         if not isinstance(space, gym.spaces.Box):
@@ -103,7 +104,7 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
     try:
         import moviepy  # noqa: F401
     except ImportError as e:
-        raise ImportError("video_folder needs moviepy (gymnasium's RecordVideo writes with it): "
+        raise MissingExtra("video_folder needs moviepy (gymnasium's RecordVideo writes with it): "
                           "pip install moviepy") from e
     is_mujoco = "mujoco" in str(gym.spec(env_id).entry_point)
     headless = not any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "PYOPENGL_PLATFORM"))
@@ -121,7 +122,7 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
         first.unwrapped.render()  # classic control draws nothing before a reset, but imports pygame
     except gym.error.DependencyNotInstalled as e:
         first.close()
-        raise ImportError(f"{env_id} cannot render for video_folder: {e}") from e
+        raise MissingExtra(f"{env_id} cannot render for video_folder: {e}") from e
     except Exception as e:  # e.g. no OpenGL context
         first.close()
         how = (f" (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}; headless Linux needs EGL, e.g. apt-get install libegl1, "

@@ -7,12 +7,13 @@ from leanrl.checkpoint import CheckpointError, clean_exit, load_checkpoint, save
 from leanrl.evaluation import crossings, evaluate
 from leanrl.gym_adapter import TorchVectorEnv
 from leanrl.logger import Logger
-from leanrl.run import (RunArgs, UsageError, check_flags, make_run_dir, resolve_device, restore_envs,
+from leanrl.run import (MissingExtra, RunArgs, UsageError, check_flags, make_run_dir, resolve_device, restore_envs,
                         seed_everything)
 
 __all__ = [
     "WARMUP", "accelerate", "compiling_on_cpu", "gradient_step", "make_adam", "wrap_flags",
     "load_optimizer_state", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "Logger", "TorchVectorEnv", "RunArgs",
-    "UsageError", "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt", "CheckpointError",
-    "clean_exit", "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs", "seed_everything",
+    "UsageError", "MissingExtra", "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt",
+    "CheckpointError", "clean_exit", "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs",
+    "seed_everything",
 ]

@@ -17,7 +17,7 @@ import tyro
 
 from leanrl.checkpoint import clean_exit
 from leanrl.logger import read_metrics
-from leanrl.run import UsageError
+from leanrl.run import MissingExtra, UsageError
 
 
 @dataclass
@@ -139,7 +139,7 @@ def plot_runs(paths: list[str], metric: str, out: str, spread: str = "std", smoo
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError('leanrl.plot draws with matplotlib: pip install -e ".[plots]"') from e
+        raise MissingExtra('leanrl.plot draws with matplotlib: pip install -e ".[plots]"') from e
     fig = Figure(figsize=(6, 4))  # a bare Figure renders with Agg and leaves pyplot's backend alone
     ax = fig.subplots()
     for c in curves:

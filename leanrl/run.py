@@ -15,6 +15,11 @@ class UsageError(ValueError):
     prints its message alone, with exit code 2 (`clean_exit`), before anything long has started."""
 
 
+class MissingExtra(UsageError, ImportError):
+    """An optional part a run needs is not installed: the message says what to pip install (one line, exit code
+    2, as any `UsageError`; still an ImportError to code that catches one)."""
+
+
 @dataclass
 class RunArgs:
     exp_name: str = "leanrl"

