@@ -180,7 +180,8 @@ def _recording_vector_env(game: str, num_envs: int, video_folder, repeat_action_
         import cv2  # noqa: F401  (AtariPreprocessing resizes with it)
         import moviepy  # noqa: F401  (RecordVideo writes with it)
     except ImportError as e:
-        raise MissingExtra(f"Atari with video_folder needs {e.name}: pip install opencv-python-headless moviepy") from e
+        raise MissingExtra(f"Atari with video_folder needs {e.name}: pip install opencv-python-headless "
+                           "moviepy") from e
 
     def make(index: int) -> gym.Env:
         env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=repeat_action_probability,

