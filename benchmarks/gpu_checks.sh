@@ -16,6 +16,14 @@ set -u
   "${TESTS:=cuda or graph or compile}" "${ALGOS=td3_continuous,ppo_atari,sac_continuous}" "${SMOLLM2_S:=0}" \
   "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
+# A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (an H100 lease's second call
+# found it gone): the first call leaves there the packages .gpu/env.sh installed and SmolLM2's first part, and a call
+# without .gpu/ runs on them (the second call of benchmarks/gpu_prepare.sh).
+if [ -d .gpu/site ]; then rm -rf /tmp/gpu-site && cp -r .gpu/site /tmp/gpu-site; fi
+for i in 1 2; do
+  if [ -f ".gpu-smollm2-$i/part" ]; then mkdir -p /tmp/smollm2 && cp ".gpu-smollm2-$i/part" "/tmp/smollm2/part-$i"; fi
+done
+if [ -f .gpu-smollm2-1/SHA256SUMS ]; then cp .gpu-smollm2-1/SHA256SUMS /tmp/smollm2/; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
 # The layout an install makes (pyproject's package-dir), for a machine that runs from the working tree.
 for d in algorithms envs; do [ -e "leanrl/$d" ] || ln -s "../$d" "leanrl/$d"; done
@@ -59,9 +67,9 @@ if [ "$SAMPLER_S" != 0 ]; then
 fi
 if [ "$SMOLLM2_S" != 0 ]; then  # SmolLM2-135M's GRPO learning curve, graphed (eager if that fails), bf16
   start=$SECONDS
-  mkdir -p /tmp/smollm2 && cp .gpu-smollm2-1/SHA256SUMS /tmp/smollm2/ && cat .gpu-smollm2-1/part .gpu-smollm2-2/part \
-    > "/tmp/smollm2/$(cut -d' ' -f3 /tmp/smollm2/SHA256SUMS)" && (cd /tmp/smollm2 && sha256sum -c SHA256SUMS) &&
-    python3 -m pip install -q --no-index --no-deps --no-compile --target .gpu/site /tmp/smollm2/*.whl &&
+  cat /tmp/smollm2/part-1 /tmp/smollm2/part-2 > "/tmp/smollm2/$(cut -d' ' -f3 /tmp/smollm2/SHA256SUMS)" &&
+    (cd /tmp/smollm2 && sha256sum -c SHA256SUMS) && export PYTHONPATH=/tmp/smollm2/site:$PYTHONPATH &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/smollm2/site /tmp/smollm2/*.whl &&
     { timeout -k 10 "$SMOLLM2_S" python benchmarks/grpo_learning_curve.py --model smollm2-135m --cudagraphs \
         --run-dir /tmp/curve $SMOLLM2_FLAGS > "$OUT/smollm2.log" 2>&1; rc=$?
       left=$((SMOLLM2_S - (SECONDS - start)))

@@ -4,10 +4,12 @@
 # device tool carries at most 64 MiB a call, working tree included, and that wheel alone is 89 MiB: the first part
 # fills what call 1 leaves, the second travels with call 2, which finds call 1's files on the still-warm machine.
 #   call 1: carry [".gpu", ".gpu-smollm2-1"] (and ".gpu-cache" if there is one), timeout_s 500:
-#           bash benchmarks/gpu_checks.sh
-#   call 2, at once: carry [".gpu-smollm2-2"]: SMOLLM2_S=240 TESTS_S=0 GRPO_S=0 ALGOS= bash benchmarks/gpu_checks.sh
-# Both commands start with `source .gpu/env.sh && `; with the machine's start they fill a 15-minute lease. Run this
-# again just before a lease: the first part is sized to the working tree as it is now.
+#           source .gpu/env.sh && bash benchmarks/gpu_checks.sh
+#   call 2, at once: carry [".gpu-smollm2-2"] (not .gpu/: it would not fit; call 1 left its packages in /tmp):
+#           export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=disabled &&
+#           SMOLLM2_S=240 TESTS_S=0 GRPO_S=0 ALGOS= bash benchmarks/gpu_checks.sh
+# With the machine's start they fill a 15-minute lease. Run this again just before a lease: the first part is sized
+# to the working tree as it is now.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 gguf=$(python -m pip show gguf 2>/dev/null | sed -n 's/^Version: //p')

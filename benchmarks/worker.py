@@ -30,6 +30,9 @@ from measure import gpu_busy, memory_growth_mb, memory_mark, sync, time_interlea
 BUDGETS = {"cpu": dict(budget_s=4.0, measure_s=6.0), "cuda": dict(budget_s=1.0, measure_s=2.0),
            "quick": dict(budget_s=0.3, measure_s=0.3)}
 
+# A compiled function past dynamo's recompile limit would run eagerly and be timed as compiled: an error instead.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
 
 def log(*parts):
     print(*parts, file=sys.stderr, flush=True)

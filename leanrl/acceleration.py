@@ -30,6 +30,7 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     """
     name = name or getattr(fn, "__name__", "fn")
     if compile:
+        _compile_per_instance()
         if torch.device(device).type == "cpu":
             _trust_vec_isa_probed_before()
         fn = torch.compile(fn, **(compile_kwargs or {}))
@@ -38,11 +39,23 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     if not cudagraphs:
         return fn
     if torch.device(device).type == "cuda":
-        fn = CudaGraphModule(fn, warmup=warmup, device=torch.device(device))
+        fn = _CapturedOneAtATime(CudaGraphModule(fn, warmup=warmup, device=torch.device(device)), warmup)
     else:
         # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
         _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
     return ShapeGuard(fn, name)
+
+
+# Dynamo keeps one compiled entry per object a shared piece of code is called with: torch's Adam.step, once per
+# optimizer. Past its default limit of 8 it runs that code eagerly from then on, silently; under a CUDA graph an
+# eager Adam step (not `capturable`) fails the capture. Two optimizers an agent, TD3's fifth agent in a process (a
+# sweep, a notebook cell run again, the benchmark's modes) met it; the same on an H100: "Attempting CUDA graph
+# capture of step() for an instance of Adam but param_groups' capturable is False".
+RECOMPILE_LIMIT = 64
+
+
+def _compile_per_instance():
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _compiles_in_any_thread(compiled):
@@ -62,6 +75,42 @@ def _compiles_in_any_thread(compiled):
             trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
         return compiled(*args, **kwargs)
     return call
+
+
+class _ThreadLocalCapture(torch.cuda.graph):
+    """`torch.cuda.graph` capturing in CUDA's thread-local mode, as inductor's own CUDA graphs do."""
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="thread_local", **kwargs):
+        super().__init__(cuda_graph, pool, stream, capture_error_mode, **kwargs)
+
+
+_capture_lock = threading.RLock()  # reentrant: a capture inside a capture is torch's error to raise, not a hang
+
+
+class _CapturedOneAtATime:
+    """A CudaGraphModule whose capture (its `warmup`-th call) takes a process-wide lock and CUDA's thread-local
+    capture mode. CudaGraphModule captures in torch's default, global mode, in which a cudaMalloc in any other
+    thread is an error: on an H100, async GRPO's second collector thread, warming up while the first captured,
+    failed with "operation not permitted when stream is capturing". Thread-local mode lets other threads work
+    (the allocator keeps their memory out of the graph's pool); the lock keeps to torch's rule of one capture
+    at a time in a process (the trainer's and every collector's)."""
+
+    def __init__(self, graphed: CudaGraphModule, warmup: int):
+        self.graphed, self.warmup_calls_left, self.captured = graphed, warmup - 1, False
+
+    def __call__(self, *args, **kwargs):
+        if self.warmup_calls_left:
+            self.warmup_calls_left -= 1
+        elif not self.captured:
+            with _capture_lock:
+                graph, torch.cuda.graph = torch.cuda.graph, _ThreadLocalCapture  # where CudaGraphModule looks
+                try:
+                    out = self.graphed(*args, **kwargs)
+                finally:
+                    torch.cuda.graph = graph
+            self.captured = True
+            return out
+        return self.graphed(*args, **kwargs)
 
 
 @functools.cache

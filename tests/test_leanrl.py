@@ -283,6 +283,78 @@ def test_a_compiled_optimizer_step_compiles_in_any_thread():
     assert not torch.equal(net.weight, before)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_capture_in_one_thread_lets_the_other_threads_work():
+    """Async GRPO on an H100: a collector thread warming up (allocating) while another captured its graph failed
+    with "operation not permitted when stream is capturing"; torch's default capture mode forbids any thread's
+    cudaMalloc or synchronize during a capture. Here one thread captures eight graphs while another allocates
+    fresh memory and synchronizes without pause."""
+    done, errors, results = threading.Event(), [], []
+
+    def busy():  # what the trainer or another collector does meanwhile
+        with torch.cuda.stream(torch.cuda.Stream()):
+            i = 0
+            while not done.is_set():
+                torch.empty(2**20 * (1 + i % 32), device="cuda").fill_(1.0)
+                torch.cuda.synchronize()
+                i += 1
+
+    def capture():
+        with torch.cuda.stream(torch.cuda.Stream()):
+            x = torch.arange(64.0, device="cuda")
+            for k in range(8):
+                fn = leanrl.accelerate(lambda x: (x * 2 + 1).cumsum(0).sin().exp(), cudagraphs=True, device="cuda",
+                                       name=f"fn{k}")
+                results.extend(fn(x).clone() for _ in range(leanrl.WARMUP + 1))
+            torch.cuda.current_stream().synchronize()
+
+    workers = [threading.Thread(target=_record_errors, args=(errors, busy)),
+               threading.Thread(target=lambda: (_record_errors(errors, capture), done.set()))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    expected = (torch.arange(64.0, device="cuda") * 2 + 1).cumsum(0).sin().exp()
+    for out in results:  # warm-up calls, the capture call, and the replays
+        torch.testing.assert_close(out, expected)
+
+
+def test_the_capture_call_alone_takes_the_lock_and_thread_local_mode():
+    """The wiring of what the test above checks on a GPU: of a graphed function's calls, the `warmup`-th (the
+    capture) runs under the process-wide lock with torch.cuda.graph capturing thread-locally; torch.cuda.graph is
+    restored after it, also when it raises."""
+    seen = []
+
+    def locked_elsewhere():  # whether another thread would wait for the lock
+        free = []
+
+        def try_lock():
+            free.append(acceleration._capture_lock.acquire(blocking=False))
+            if free[0]:
+                acceleration._capture_lock.release()
+
+        thread = threading.Thread(target=try_lock)
+        thread.start()
+        thread.join()
+        return not free[0]
+
+    def graphed(fail=False):
+        seen.append((torch.cuda.graph is acceleration._ThreadLocalCapture, locked_elsewhere()))
+        if fail:
+            raise RuntimeError("capture failed")
+
+    original = torch.cuda.graph
+    fn = acceleration._CapturedOneAtATime(graphed, warmup=3)
+    fn(), fn()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        fn(fail=True)
+    assert torch.cuda.graph is original and not locked_elsewhere()
+    fn(), fn(), fn()  # the capture again (it failed), then replays
+    assert seen == [(False, False)] * 2 + [(True, True)] * 2 + [(False, False)] * 2
+    assert torch.cuda.graph is original
+
+
 def _record_errors(errors, fn, *args):
     try:
         fn(*args)
@@ -315,3 +387,21 @@ def test_gradient_step_plain_compiled_and_one_graph_match_eager():
         torch.testing.assert_close(outs, results[0][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(params, results[0][1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(exp_avgs, results[0][2], rtol=1e-5, atol=1e-6)
+
+
+def test_a_ninth_optimizer_in_a_process_still_steps_compiled():
+    """Dynamo compiles torch's Adam.step once per optimizer; by default the ninth ran eagerly (on a GPU, under a
+    CUDA graph, that failed the capture). Nine agents' compiled steps, each compiled, none falling back."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for _ in range(9):
+            net = torch.nn.Linear(3, 1)
+            opt = leanrl.make_adam(net.parameters(), 1e-2, compile=True, cudagraphs=False, device="cpu")
+            params = dict(net.named_parameters())
+            step = leanrl.accelerate(leanrl.gradient_step(
+                lambda p, x: (torch.func.functional_call(net, p, (x,)).square().mean(), None), params, opt),
+                compile=True, name="step")
+            before = net.weight.detach().clone()
+            step(x)
+            assert not torch.equal(net.weight, before)

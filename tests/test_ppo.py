@@ -247,8 +247,8 @@ def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path, monk
         args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
                            "total_timesteps": 3 * 8 * 16, "run_dir": str(tmp_path / str(len(agents))), **mode})
         agents.append(ppo.train(args, make_env(args.env_id, args.num_envs, device=device), device).agent)
-    for (name, e), g in zip(agents[0].named_parameters(), agents[1].parameters()):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, e), g in zip(agents[0].named_parameters(), agents[1].parameters()):  # the message keeps its numbers
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda message: f"{name}: {message}")
 
 
 @pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
