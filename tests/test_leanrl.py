@@ -284,7 +284,7 @@ def test_a_compiled_optimizer_step_compiles_in_any_thread():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_a_capture_in_one_thread_lets_the_other_threads_work():
+def test_a_graph_capture_in_one_thread_lets_the_other_threads_work():
     """Async GRPO on an H100: a collector thread warming up (allocating) while another captured its graph failed
     with "operation not permitted when stream is capturing"; torch's default capture mode forbids any thread's
     cudaMalloc or synchronize during a capture. Here one thread captures eight graphs while another allocates
@@ -320,7 +320,7 @@ def test_a_capture_in_one_thread_lets_the_other_threads_work():
         torch.testing.assert_close(out, expected)
 
 
-def test_the_capture_call_alone_takes_the_lock_and_thread_local_mode():
+def test_the_graph_capture_call_alone_takes_the_lock_and_thread_local_mode():
     """The wiring of what the test above checks on a GPU: of a graphed function's calls, the `warmup`-th (the
     capture) runs under the process-wide lock with torch.cuda.graph capturing thread-locally; torch.cuda.graph is
     restored after it, also when it raises."""
