@@ -56,8 +56,8 @@ if [ "$GRPO_S" != 0 ]; then  # GRPO on the GPU, compiled and graphed: async (aft
   runs=("--async --max-lag 2")
   if [ "$GRPO_SYNC" = 1 ]; then runs=("" "${runs[@]}"); fi
   for mode in "${runs[@]}"; do
-    timeout -k 10 $((GRPO_S / ${#runs[@]})) python scripts/grpo_arith.py --compile --cudagraphs $mode --run-dir /tmp/grpo \
-      >> "$OUT/grpo.log" 2>&1
+    timeout -k 10 $((GRPO_S / ${#runs[@]})) python scripts/grpo_arith.py --compile --cudagraphs $mode \
+      --run-dir /tmp/grpo >> "$OUT/grpo.log" 2>&1
     tail -n 1 "$(ls -td /tmp/grpo/*/ | head -1)metrics.jsonl" >> "$OUT/grpo.log"  # the last logged row
   done
   (cd /tmp/grpo && find . -name metrics.jsonl | tar czf "$OUT/grpo_metrics.tgz" -T -)  # every row, for the planner

@@ -30,7 +30,7 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     """
     name = name or getattr(fn, "__name__", "fn")
     if compile:
-        _compile_per_instance()
+        _raise_recompile_limit()
         if torch.device(device).type == "cpu":
             _trust_vec_isa_probed_before()
         fn = torch.compile(fn, **(compile_kwargs or {}))
@@ -54,7 +54,7 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
 RECOMPILE_LIMIT = 64
 
 
-def _compile_per_instance():
+def _raise_recompile_limit():
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
