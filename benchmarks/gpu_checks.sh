@@ -37,6 +37,13 @@ if [ "$CACHE" = 1 ] && [ -f .gpu-cache/inductor.tgz ]; then
 fi
 save_cache() {  # after each phase: a call stopped at its limit keeps the compiles of the phases it finished
   [ -d /tmp/inductor-cache ] || return 0
+  # Compiled code does not shrink 10x: past 150 MB the archive cannot come back, and gzip would only spend the lease
+  # (an H100 lease's cache was 144-185 MB compressed). Name its largest parts instead, to know what to leave out.
+  if [ "$(du -sb --exclude precompiled_headers /tmp/inductor-cache | cut -f1)" -gt 150000000 ]; then
+    echo "inductor cache: $(du -sh /tmp/inductor-cache | cut -f1), too large to bring back; its largest parts:"
+    du -sh /tmp/inductor-cache/* /tmp/inductor-cache/triton/* 2>/dev/null | sort -h | tail -n 6
+    return 0
+  fi
   tar czf /tmp/inductor.tgz -C /tmp --exclude precompiled_headers inductor-cache || return
   if [ "$(stat -c %s /tmp/inductor.tgz)" -lt 15000000 ]; then mv /tmp/inductor.tgz "$OUT/inductor.tgz"
   else echo "inductor cache: $(du -h /tmp/inductor.tgz | cut -f1) compressed, too large to bring back"; fi
