@@ -531,11 +531,6 @@ def make_sampler(model, tokenizer, args: Args, model_dir: str | None = None, bac
     return Sampler(model, **{**settings, "compile": args.compile, "cudagraphs": args.cudagraphs, **overrides})
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def learner_state(learner: Learner) -> dict:
     """What a checkpoint keeps of the trainer: the weights, the optimizer and, below float32, the master weights."""
     return dict(model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(),
@@ -604,7 +599,7 @@ def train(args: Args) -> dict:
             rewards = score(task, tokenizer, host, args.seed).to(device)
             t0 = time.perf_counter()
             metrics = learner.update(batch.to(device), rewards, iteration)  # vLLM fills on the host
-            synchronize(device)
+            leanrl.sync_cuda(device)
             update_time = time.perf_counter() - t0
             metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
                             "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,

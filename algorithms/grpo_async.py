@@ -141,7 +141,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
             batch = trainer.next_batch().to(device)
             t0 = time.perf_counter()
             metrics = learner.update(batch, batch["rewards"], trainer.version)
-            grpo.synchronize(device)
+            leanrl.sync_cuda(device)
             update_time = time.perf_counter() - t0
             trainer.publish()
             stats = dict(zip(STATS, batch["sampler_stats"][0].tolist()))

@@ -16,7 +16,7 @@ set -u
 # ALGOS: the entries whose four-mode GPU table is still missing or has error columns, most wanted first.
 : "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=150}" "${GRPO_S:=180}" "${GRPO_SYNC:=0}" "${SAMPLER_S:=0}" \
   "${TESTS:=cuda or graph or compile}" "${SMOLLM2_S:=0}" \
-  "${ALGOS=td3_continuous,sac_continuous,ppo_continuous,dqn_atari,dqn_cartpole}" \
+  "${ALGOS=ppo_continuous,dqn_atari,dqn_cartpole,ppo_atari}" \
   "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
 # A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (an H100 lease's second call

@@ -39,7 +39,7 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
     if not cudagraphs:
         return fn
     if torch.device(device).type == "cuda":
-        fn = _CapturedOneAtATime(CudaGraphModule(fn, warmup=warmup, device=torch.device(device)), warmup)
+        fn = _GraphedAmongThreads(CudaGraphModule(fn, warmup=warmup, device=torch.device(device)), warmup)
     else:
         # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
         _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
@@ -56,6 +56,13 @@ RECOMPILE_LIMIT = 64
 
 def _raise_recompile_limit():
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def sync_cuda(device=None):
+    """Wait for this thread's CUDA stream: what it wrote is complete before another thread or role reads it, or a
+    clock reads the time. Never the whole device: that is an error while another thread captures a CUDA graph."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _compiles_in_any_thread(compiled):
@@ -84,33 +91,81 @@ class _ThreadLocalCapture(torch.cuda.graph):
         super().__init__(cuda_graph, pool, stream, capture_error_mode, **kwargs)
 
 
-_capture_lock = threading.RLock()  # reentrant: a capture inside a capture is torch's error to raise, not a hang
+class _CaptureLock:
+    """Shared by the calls of CUDA-graphed functions, held alone by a capture. While a stream captures, CUDA forbids
+    in every thread, whatever the capture mode, what would wait on that stream: a device-wide synchronize, which
+    CudaGraphModule does before every replay, and a compile's autotuning in a warm-up call. An H200 lease's async
+    GRPO failed so: a collector replayed its cache copy while the other captured. Calls in several threads run
+    together; a capture waits for the calls in flight, and calls that come meanwhile wait for it (else two threads
+    replaying in turn could keep it out for ever). A thread inside already passes: a capture inside a capture is
+    torch's error to raise, not a hang."""
+
+    def __init__(self):
+        self._changed = threading.Condition(threading.Lock())
+        self._calls = 0  # calls running
+        self._captures = 0  # captures running or waiting
+        self._capturing = False
+        self._held = threading.local()
+
+    def acquire(self, capture: bool) -> bool:
+        """Whether this took the lock (False when the thread holds it already)."""
+        if getattr(self._held, "yes", False):
+            return False
+        with self._changed:
+            if capture:
+                self._captures += 1
+                self._changed.wait_for(lambda: not self._calls and not self._capturing)
+                self._capturing = True
+            else:
+                if self._captures:
+                    self._changed.wait_for(lambda: not self._captures)
+                self._calls += 1
+        self._held.yes = True
+        return True
+
+    def release(self, capture: bool):
+        self._held.yes = False
+        with self._changed:
+            if capture:
+                self._captures -= 1
+                self._capturing = False
+                self._changed.notify_all()
+            else:
+                self._calls -= 1
+                if self._captures and not self._calls:
+                    self._changed.notify_all()
 
 
-class _CapturedOneAtATime:
-    """A CudaGraphModule whose capture (its `warmup`-th call) takes a process-wide lock and CUDA's thread-local
+_graph_lock = _CaptureLock()
+
+
+class _GraphedAmongThreads:
+    """A CudaGraphModule whose calls take `_graph_lock`, and whose capture (its `warmup`-th call) CUDA's thread-local
     capture mode. CudaGraphModule captures in torch's default, global mode, in which a cudaMalloc in any other
     thread is an error: on an H100, async GRPO's second collector thread, warming up while the first captured,
-    failed with "operation not permitted when stream is capturing". Thread-local mode lets other threads work
-    (the allocator keeps their memory out of the graph's pool); the lock keeps to torch's rule of one capture
-    at a time in a process (the trainer's and every collector's)."""
+    failed with "operation not permitted when stream is capturing". Thread-local mode lets other threads allocate
+    (the allocator keeps their memory out of the graph's pool)."""
 
     def __init__(self, graphed: CudaGraphModule, warmup: int):
         self.graphed, self.warmup_calls_left, self.captured = graphed, warmup - 1, False
 
     def __call__(self, *args, **kwargs):
-        if self.warmup_calls_left:
-            self.warmup_calls_left -= 1
-        elif not self.captured:
-            with _capture_lock:
-                graph, torch.cuda.graph = torch.cuda.graph, _ThreadLocalCapture  # where CudaGraphModule looks
-                try:
-                    out = self.graphed(*args, **kwargs)
-                finally:
-                    torch.cuda.graph = graph
+        capture = not (self.captured or self.warmup_calls_left)
+        self.warmup_calls_left -= bool(self.warmup_calls_left)
+        took = _graph_lock.acquire(capture)
+        try:
+            if not capture:
+                return self.graphed(*args, **kwargs)
+            graph, torch.cuda.graph = torch.cuda.graph, _ThreadLocalCapture  # where CudaGraphModule looks
+            try:
+                out = self.graphed(*args, **kwargs)
+            finally:
+                torch.cuda.graph = graph
             self.captured = True
             return out
-        return self.graphed(*args, **kwargs)
+        finally:
+            if took:
+                _graph_lock.release(capture)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from leanrl.acceleration import WARMUP
+from leanrl.acceleration import WARMUP, sync_cuda
 from leanrl.checkpoint import signals_deferred
 from leanrl.run import UsageError
 
@@ -82,7 +82,7 @@ class Logger:
         self.iterations += 1
         self.step = global_step
         if self.iterations == self.burn_in:
-            self._sync()
+            sync_cuda()
             self.t_steady, self.step_steady = time.perf_counter(), global_step
             self.warmup_time = self.t_steady - self.t_start
 
@@ -141,10 +141,6 @@ class Logger:
             postfix["return"] = f"{self.last['charts/episodic_return']:.1f}"
         self.pbar.set_postfix(postfix, refresh=True)
         return row
-
-    def _sync(self):
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
 
     def __enter__(self):
         return self

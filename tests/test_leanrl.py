@@ -284,74 +284,98 @@ def test_a_compiled_optimizer_step_compiles_in_any_thread():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_a_graph_capture_in_one_thread_lets_the_other_threads_work():
-    """Async GRPO on an H100: a collector thread warming up (allocating) while another captured its graph failed
-    with "operation not permitted when stream is capturing"; torch's default capture mode forbids any thread's
-    cudaMalloc or synchronize during a capture. Here one thread captures eight graphs while another allocates
-    fresh memory and synchronizes without pause."""
-    done, errors, results = threading.Event(), [], []
+def test_graphs_captured_and_replayed_in_several_threads_at_once():
+    """Async GRPO's collector threads and its trainer each capture their graphs and replay them, and allocate,
+    meanwhile. Torch's default capture mode forbids another thread's cudaMalloc (an H100's failure); CUDA forbids a
+    device-wide synchronize in any thread during a capture, and CudaGraphModule does one before every replay (an
+    H200's failure). Here three threads each capture eight graphs and replay each twenty times, allocating fresh
+    memory and waiting for their own stream between calls."""
+    errors, results = [], {}
+    x = torch.arange(64.0, device="cuda")
+    torch.cuda.synchronize()
 
-    def busy():  # what the trainer or another collector does meanwhile
+    def work(t):
         with torch.cuda.stream(torch.cuda.Stream()):
-            i = 0
-            while not done.is_set():
-                torch.empty(2**20 * (1 + i % 32), device="cuda").fill_(1.0)
-                torch.cuda.synchronize()
-                i += 1
-
-    def capture():
-        with torch.cuda.stream(torch.cuda.Stream()):
-            x = torch.arange(64.0, device="cuda")
+            outs, xt = [], x + t
             for k in range(8):
                 fn = leanrl.accelerate(lambda x: (x * 2 + 1).cumsum(0).sin().exp(), cudagraphs=True, device="cuda",
-                                       name=f"fn{k}")
-                results.extend(fn(x).clone() for _ in range(leanrl.WARMUP + 1))
-            torch.cuda.current_stream().synchronize()
+                                       name=f"fn{t}_{k}")
+                for i in range(leanrl.WARMUP + 20):
+                    torch.empty(2**20 * (1 + i % 32), device="cuda").fill_(1.0)
+                    outs.append(fn(xt).clone())
+                    leanrl.sync_cuda()
+            results[t] = outs
 
-    workers = [threading.Thread(target=_record_errors, args=(errors, busy)),
-               threading.Thread(target=lambda: (_record_errors(errors, capture), done.set()))]
+    workers = [threading.Thread(target=_record_errors, args=(errors, work, t)) for t in range(3)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     assert not errors, errors
-    expected = (torch.arange(64.0, device="cuda") * 2 + 1).cumsum(0).sin().exp()
-    for out in results:  # warm-up calls, the capture call, and the replays
-        torch.testing.assert_close(out, expected)
+    for t, outs in results.items():  # warm-up calls, the capture calls, and the replays
+        expected = ((x + t) * 2 + 1).cumsum(0).sin().exp()
+        for out in outs:
+            torch.testing.assert_close(out, expected)
 
 
-def test_the_graph_capture_call_alone_takes_the_lock_and_thread_local_mode():
-    """The wiring of what the test above checks on a GPU: of a graphed function's calls, the `warmup`-th (the
-    capture) runs under the process-wide lock with torch.cuda.graph capturing thread-locally; torch.cuda.graph is
-    restored after it, also when it raises."""
-    seen = []
+def test_a_capture_waits_for_the_graphed_calls_of_other_threads_and_holds_off_new_ones():
+    """The rule of the test above, on any machine, with plain functions for graphs: graphed calls in several threads
+    run together; a capture (the `warmup`-th call) waits for the calls in flight, runs with torch.cuda.graph
+    capturing thread-locally, and holds off calls that come meanwhile; torch.cuda.graph is restored after it, also
+    when it raises, and a capture inside a call of the same thread does not wait for itself."""
+    original, seen, failures = torch.cuda.graph, [], [RuntimeError("capture failed")]
 
-    def locked_elsewhere():  # whether another thread would wait for the lock
-        free = []
+    def graphed(name, gate=None, fail=False, inner=None):
+        def fn():
+            seen.append((name, torch.cuda.graph is acceleration._ThreadLocalCapture))
+            if inner:
+                inner()
+            if gate:
+                assert gate.wait(10)
+            if fail and failures:  # the first time
+                raise failures.pop()
+        return fn
 
-        def try_lock():
-            free.append(acceleration._capture_lock.acquire(blocking=False))
-            if free[0]:
-                acceleration._capture_lock.release()
-
-        thread = threading.Thread(target=try_lock)
+    def start(fn):
+        thread = threading.Thread(target=_record_errors, args=(errors, fn))
         thread.start()
+        return thread
+
+    def entered(name, wait):  # whether `name` has run, `wait` seconds at most
+        for _ in range(int(wait / 0.01)):
+            if any(n == name for n, _ in seen):
+                return True
+            threading.Event().wait(0.01)
+        return any(n == name for n, _ in seen)
+
+    errors, gate_a, gate_c = [], threading.Event(), threading.Event()
+    call_a = acceleration._GraphedAmongThreads(graphed("a", gate_a), warmup=9)
+    a = start(call_a)
+    assert entered("a", 5)
+    acceleration._GraphedAmongThreads(graphed("b"), warmup=9)()  # another call runs beside a
+    capture_c = acceleration._GraphedAmongThreads(graphed("c", gate_c), warmup=1)
+    c = start(capture_c)
+    assert not entered("c", 0.3)  # waits for a
+    d = start(acceleration._GraphedAmongThreads(graphed("d"), warmup=9))
+    gate_a.set()
+    assert entered("c", 5)
+    assert not entered("d", 0.3)  # came while c waited: waits for c
+    gate_c.set()
+    for thread in (a, c, d):
         thread.join()
-        return not free[0]
+    assert not errors, errors
+    assert seen == [("a", False), ("b", False), ("c", True), ("d", False)]
 
-    def graphed(fail=False):
-        seen.append((torch.cuda.graph is acceleration._ThreadLocalCapture, locked_elsewhere()))
-        if fail:
-            raise RuntimeError("capture failed")
-
-    original = torch.cuda.graph
-    fn = acceleration._CapturedOneAtATime(graphed, warmup=3)
-    fn(), fn()
+    seen.clear()
+    failing = acceleration._GraphedAmongThreads(graphed("e", fail=True), warmup=1)
     with pytest.raises(RuntimeError, match="capture failed"):
-        fn(fail=True)
-    assert torch.cuda.graph is original and not locked_elsewhere()
-    fn(), fn(), fn()  # the capture again (it failed), then replays
-    assert seen == [(False, False)] * 2 + [(True, True)] * 2 + [(False, False)] * 2
+        failing()
+    assert torch.cuda.graph is original
+    start(acceleration._GraphedAmongThreads(graphed("f"), warmup=1)).join()  # the lock was released
+    nested = acceleration._GraphedAmongThreads(graphed("g"), warmup=1)
+    acceleration._GraphedAmongThreads(graphed("h", inner=nested), warmup=9)()
+    failing()  # captured again after it failed
+    assert seen == [("e", True), ("f", True), ("h", False), ("g", True), ("e", True)] and not errors
     assert torch.cuda.graph is original
 
 

@@ -65,12 +65,6 @@ class Stopped(Exception):
     """Raised inside a collector when the trainer has asked every role to stop (its loop ends quietly)."""
 
 
-def sync_cuda():
-    """Wait for this thread's CUDA stream: what it wrote is complete before another role reads it."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
-
-
 class Stats:
     """Lag histogram, idle fractions and queue depth, read on the host once per batch (the lag check
     needs the versions anyway). The trainer's idle clock starts at its first batch: the wait for that one is the

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leanrl.pipeline.core import Stats, Stopped, Trainer, check_settings, sync_cuda
+from leanrl.acceleration import sync_cuda
+from leanrl.pipeline.core import Stats, Stopped, Trainer, check_settings
 
 BATCH, ERROR, DONE = 0, 1, 2
 BATCH_TAG, WEIGHT_TAG = 1, 2

@@ -20,7 +20,8 @@ import time
 import torch
 from tensordict import TensorDictBase
 
-from leanrl.pipeline.core import Stopped, sync_cuda
+from leanrl.acceleration import sync_cuda
+from leanrl.pipeline.core import Stopped
 
 
 class WeightRing:
