@@ -59,9 +59,11 @@ def _raise_recompile_limit():
 
 
 def sync_cuda(device=None):
-    """Wait for this thread's CUDA stream: what it wrote is complete before another thread or role reads it, or a
-    clock reads the time. Never the whole device: that is an error while another thread captures a CUDA graph."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    """Wait for this thread's CUDA stream (on `device`, when given: a CPU one has nothing to wait for): what it wrote
+    is complete before another thread or role reads it, or a clock reads the time. Never the whole device: that is an
+    error while another thread captures a CUDA graph."""
+    on_cuda = device is None or torch.device(device).type == "cuda"
+    if on_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream(device).synchronize()
 
 
@@ -97,8 +99,8 @@ class _CaptureLock:
     CudaGraphModule does before every replay, and a compile's autotuning in a warm-up call. An H200 lease's async
     GRPO failed so: a collector replayed its cache copy while the other captured. Calls in several threads run
     together; a capture waits for the calls in flight, and calls that come meanwhile wait for it (else two threads
-    replaying in turn could keep it out for ever). A thread inside already passes: a capture inside a capture is
-    torch's error to raise, not a hang."""
+    replaying in turn could keep it out for ever). A thread inside already passes, not to wait for itself (no
+    graphed function here calls another; a capture inside a capture is torch's error to raise)."""
 
     def __init__(self):
         self._changed = threading.Condition(threading.Lock())
@@ -140,11 +142,11 @@ _graph_lock = _CaptureLock()
 
 
 class _GraphedAmongThreads:
-    """A CudaGraphModule whose calls take `_graph_lock`, and whose capture (its `warmup`-th call) CUDA's thread-local
-    capture mode. CudaGraphModule captures in torch's default, global mode, in which a cudaMalloc in any other
-    thread is an error: on an H100, async GRPO's second collector thread, warming up while the first captured,
-    failed with "operation not permitted when stream is capturing". Thread-local mode lets other threads allocate
-    (the allocator keeps their memory out of the graph's pool)."""
+    """A CudaGraphModule whose calls take `_graph_lock`, and whose capture (its `warmup`-th call) also takes CUDA's
+    thread-local capture mode. CudaGraphModule captures in torch's default, global mode, in which a cudaMalloc in
+    any other thread is an error: on an H100, async GRPO's second collector thread, warming up while the first
+    captured, failed with "operation not permitted when stream is capturing". Thread-local mode lets other threads
+    allocate (the allocator keeps their memory out of the graph's pool)."""
 
     def __init__(self, graphed: CudaGraphModule, warmup: int):
         self.graphed, self.warmup_calls_left, self.captured = graphed, warmup - 1, False

@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -342,11 +343,10 @@ def test_a_capture_waits_for_the_graphed_calls_of_other_threads_and_holds_off_ne
         return thread
 
     def entered(name, wait):  # whether `name` has run, `wait` seconds at most
-        for _ in range(int(wait / 0.01)):
-            if any(n == name for n, _ in seen):
-                return True
-            threading.Event().wait(0.01)
-        return any(n == name for n, _ in seen)
+        deadline = time.monotonic() + wait
+        while name not in (n for n, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return name in (n for n, _ in seen)
 
     errors, gate_a, gate_c = [], threading.Event(), threading.Event()
     call_a = acceleration._GraphedAmongThreads(graphed("a", gate_a), warmup=9)
