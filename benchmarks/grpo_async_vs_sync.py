@@ -6,8 +6,8 @@ The variants start from the same warm start with the same seed and consume the s
 lag bound (one collector process and the trainer, `threads` torch threads each: two cores at the defaults), sync on
 `threads` threads (one core), and sync on every core (the same hardware as async). They run in turns (sync, sync,
 async, ...) `repeats` times, and ratios are of the medians: on a shared 2-core machine one pair's ratio swung from
-1.22x to 1.61x. All of it once per `update_epochs` value: async can hide the shorter of sampling and training behind the
-longer, so its gain over sync is at most (sample + update) / max(sample, update), 2x when the two are equal.
+1.22x to 1.61x. All of it once per `update_epochs` value: async can hide the shorter of sampling and training behind
+the longer, so its gain over sync is at most (sample + update) / max(sample, update), 2x when the two are equal.
 Reported per variant: trained completion tokens per second of wall clock (after the first two iterations: warm-up;
 the median and every run's), and from its last run: the start-up (launch to the end of iteration 2: imports,
 model, collector processes), the mean sampling and update seconds per batch, the wall clock until the training solve
@@ -41,8 +41,9 @@ class Bench:
     iterations: int = 60
     """batches consumed by each variant"""
     max_lags: tuple[int, ...] = (1, 2)
-    """async lag bounds, a variant each (where the trainer is the slower side, a larger bound adds staleness but no
-    throughput: AMD EPYC, two passes, held-out 0.26 at 2 against 0.31 at 1 and 0.32 sync, at the same tokens/s)"""
+    """async lag bounds, a variant each (where the trainer is the slower side, a larger bound adds staleness, not
+    throughput: AMD EPYC, two passes, held-out 0.27 at 2 against 0.32 at 1 and sync, at 1.38x sync's tokens/s
+    against 1.33x)"""
     transport: str = "processes"
     """async transport (processes: the collectors do not share the trainer's interpreter lock)"""
     num_collectors: int = 1
