@@ -35,6 +35,8 @@ from leanrl.algorithms import grpo, grpo_async
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
 
+HELD_OUT_SEEDS = (123, 7, 99)  # sampling seeds of each run's held-out solve rate
+
 
 @dataclass
 class Bench:
@@ -130,7 +132,7 @@ def run_variants(bench: Bench, base) -> dict:
         result["trained_tokens_per_s"] = statistics.median(result["trained_tokens_per_s_runs"])
         result["held_out_solve_rate_runs"] = [
             held_out_solve_rate(args, torch.load(f"{run_path}/checkpoint.pt", weights_only=False)["model"],
-                                seeds=(123, 7, 99)) for _, _, run_path in variant]
+                                seeds=HELD_OUT_SEEDS) for _, _, run_path in variant]
         result["held_out_solve_rate"] = statistics.mean(result["held_out_solve_rate_runs"])
         result["loss"] = args.loss
         results[name] = result
@@ -184,8 +186,8 @@ def main(bench: Bench):
             lines.append(f"- {epochs} epoch(s), max_lag {lag}: async / sync trained tokens per second (medians of "
                          f"{bench.repeats} runs each) {x['vs_sync']:.2f}x; against sync on all cores "
                          f"{x['vs_sync_all_cores']:.2f}x.")
-    lines.append("- Held-out solve rate: every run's checkpoint, 3 sampling seeds each; start-up, time to target, the "
-                 "training solve rate, lags and idle fractions: each variant's last run.")
+    lines.append(f"- Held-out solve rate: every run's checkpoint, {len(HELD_OUT_SEEDS)} sampling seeds each; start-up, "
+                 "time to target, the training solve rate, lags and idle fractions: each variant's last run.")
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
