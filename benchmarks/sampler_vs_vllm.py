@@ -10,7 +10,7 @@ completion tokens of the batch / fill time. Time to first token: from the start 
 tokens (the first num_slots prompts prefilled, one token sampled for each). Weight update: vLLM's push_weights
 (params -> safetensors bytes -> the engine's reload path, the running requests kept) mid-generation, and the
 built-in sampler's in-place copy into its params with, on a CPU, its weights packed again.
-Writes benchmarks/results/<machine>/sampler_vs_vllm.{json,md}.
+Writes benchmarks/results/<machine>/sampler_vs_vllm.{json,md} (sampler_vs_vllm_max_len<N>.* at another max_len).
 """
 
 import json
@@ -139,7 +139,8 @@ def write(b: Bench, results: dict, load: list, vllm_version: str):
                machine_info=machine)
     folder = os.path.join(b.out_dir, machine["slug"])
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "sampler_vs_vllm.json"), "w") as f:
+    stem = "sampler_vs_vllm" if b.max_len == Bench.max_len else f"sampler_vs_vllm_max_len{b.max_len}"
+    with open(os.path.join(folder, f"{stem}.json"), "w") as f:
         json.dump(out, f, indent=1)
     lines = [f"# Built-in sampler (eager and compiled) vs vLLM {vllm_version} on {machine['cpu']} ({machine['cores']} "
              f"cores), 1-min load average {min(load):.1f}-{max(load):.1f} (shared machine)", "",
@@ -154,7 +155,7 @@ def write(b: Bench, results: dict, load: list, vllm_version: str):
     lines += ["", "Weight update: builtin = in-place copy into the sampler's params, then its weights packed again "
               "(CPU); vllm = push_weights between two engine steps (safetensors bytes -> the engine's reload path), "
               "requests running, KV kept."]
-    with open(os.path.join(folder, "sampler_vs_vllm.md"), "w") as f:
+    with open(os.path.join(folder, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

