@@ -26,8 +26,8 @@ from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
-from sampler_vs_vllm import MODELS, prompt_stream  # noqa: E402
-from sampler_latency import ALPHABET  # noqa: E402
+from sampler_latency import ALPHABET, MODELS  # noqa: E402
+from sampler_vs_vllm import prompt_stream  # noqa: E402
 
 VARIANTS = {"neither": dict(shrink_steps=False, shrink_cache=False),
             "slots": dict(shrink_steps=True, shrink_cache=False),

@@ -373,6 +373,44 @@ def test_in_flight_update(models, packing, recompute_kv):
                                    rtol=0)
 
 
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_shrunk_cache_samples_what_the_whole_cache_samples(models, recompute_kv):
+    """Sampled at temperature 1, max_len 128 (cache sizes 64 and 128), three fills carried over into each other with
+    the weights changed in place during every one: stepping the cache that holds the running sequences draws the
+    same tokens, log-probs and versions as stepping the whole cache, and reads fewer positions."""
+    from tensordict import from_module
+
+    old, tok = models["llama"]
+    weights = [from_module(m).data for m in (old, _perturbed(old, seed=3), _perturbed(old, seed=4))]
+    batches, stats = [], []
+    for shrink in (False, True):
+        served = _perturbed(old, seed=0)
+        sampler = make_sampler(served, tok, num_slots=4, max_len=128, shrink_steps=False, shrink_cache=shrink,
+                               recompute_kv=recompute_kv, seed=5)
+        prompts, steps = iter(prompts_of(tok, PROMPTS * 4)), []
+
+        def step_boundary():  # a new version every 25 decode steps
+            steps.append(None)
+            version = min(len(steps) // 25, len(weights) - 1)
+            sampler.params.update_(weights[version])
+            return version
+
+        for _ in range(3):
+            batch = sampler.make_batch(8)
+            stats.append(sampler.fill(batch, prompts, group_size=2, step_boundary=step_boundary))
+            batches.append(batch)
+    full, shrunk = stats[:3], stats[3:]
+    spans = [b["version"][r][b["completion_mask"][r]].unique().numel() for b in batches[:3] for r in range(8)]
+    assert max(spans) > 1  # a sequence whose tokens came from two versions: weights changed during its decoding
+    assert all(s["decode_steps"] == t["decode_steps"] for s, t in zip(full, shrunk))
+    assert sum(s["stepped_positions"] for s in shrunk) < sum(s["stepped_positions"] for s in full)
+    assert sum(s["stepped_positions"] for s in shrunk) > 64 * sum(s["decode_steps"] for s in shrunk)  # both sizes
+    for a, b in zip(batches[:3], batches[3:]):
+        for key in ("tokens", "completion_mask", "version", "prompt_id"):
+            assert torch.equal(a[key], b[key]), key
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+
+
 def test_carry_over_and_min_version_drops(models):
     model, tok = models["qwen3"]
     sampler = make_sampler(model, tok, num_slots=4, max_len=14, seed=1)
