@@ -91,7 +91,8 @@ def test_in_flight_update(setup, recompute_kv):
     check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
 
 
-def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch, recompute_kv):
     """The same with vLLM's default engine, a process of its own that steps its requests by itself: held while the
     weights change (an update is several calls into it), it samples what the in-process engine does."""
     from vllm import envs
@@ -103,7 +104,7 @@ def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch):
                           pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
                           params=from_module(load_model(model_dir)[0]).data, seed=0)
     assert sampler._engine_process
-    check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv=False)
+    check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
 
 
 def check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv):
