@@ -5,17 +5,22 @@ Every run is its own process, one after the other, as a user would time them:
 - `eager`: scripts/ppo_cartpole.py on torch/CartPole-v1, at the same settings
 - `compile (cold)`: the same with --compile and an empty inductor cache, as on a new machine
 - `compile (warm)`: again, with the cache the cold run filled (a user's second run)
+With --repeats N the four take turns N times (each turn's cold run with an empty cache of its own, its warm run with
+the cache that cold run filled) and the table shows each run's median and every turn's wall time: on a shared 2-core
+machine one run's wall time swung by 1-3 s from one turn to the next.
 The settings are CleanRL's ppo.py (128 steps per env, 4 minibatches x 4 epochs, lr 2.5e-4 annealed, gamma 0.99,
 GAE lambda 0.95, clip 0.2, entropy 0.01); only the number of envs varies. Writes cpu_speed.json and cpu_speed.md
 to benchmarks/results/<machine>/ and prints the table.
 
     python benchmarks/cpu_speed.py [--envs 4,64,256] [--total-timesteps 100000] [--runs reference,eager,...]
+                                   [--repeats 3]
 """
 
 import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,21 +78,31 @@ def leanrl_run(num_envs: int, total: int, tmp: str, flags: list, env: dict) -> d
                 final_return=returns[-1] if returns else None)
 
 
-def measure(num_envs: int, total: int, runs: list) -> dict:
-    out = {}
+def measure(num_envs: int, total: int, runs: list, repeats: int) -> dict:
+    turns = {run: [] for run in runs}
     with tempfile.TemporaryDirectory(prefix="leanrl-cpu-speed-") as tmp:
-        cache = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}  # empty until the cold run fills it
-        how = {"reference": lambda: reference(num_envs, total, tmp),
-               "eager": lambda: leanrl_run(num_envs, total, tmp, [], {}),
-               "compile (cold)": lambda: leanrl_run(num_envs, total, tmp, ["--compile"], cache),
-               "compile (warm)": lambda: leanrl_run(num_envs, total, tmp, ["--compile"], cache)}
-        for run in runs:
-            print(f"{num_envs} envs: {run}", file=sys.stderr, flush=True)
-            try:
-                out[run] = dict(status="ok", **how[run]())
-            except Exception as e:
-                out[run] = dict(status="error", reason=str(e)[:800])
-            print(f"  {out[run]}", file=sys.stderr, flush=True)
+        for turn in range(repeats):
+            # Empty until this turn's cold run fills it.
+            cache = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"inductor-{turn}")}
+            how = {"reference": lambda: reference(num_envs, total, tmp),
+                   "eager": lambda: leanrl_run(num_envs, total, tmp, [], {}),
+                   "compile (cold)": lambda: leanrl_run(num_envs, total, tmp, ["--compile"], cache),
+                   "compile (warm)": lambda: leanrl_run(num_envs, total, tmp, ["--compile"], cache)}
+            for run in runs:
+                print(f"{num_envs} envs, turn {turn + 1}: {run}", file=sys.stderr, flush=True)
+                try:
+                    turns[run].append(how[run]())
+                except Exception as e:
+                    turns[run].append(dict(error=str(e)[:800]))
+                print(f"  {turns[run][-1]}", file=sys.stderr, flush=True)
+    out = {}
+    for run, results in turns.items():
+        if errors := [r["error"] for r in results if "error" in r]:
+            out[run] = dict(status="error", reason=errors[0])
+            continue
+        medians = {k: statistics.median(r[k] for r in results) for k in ("wall_s", "startup_s", "sps")}
+        out[run] = dict(status="ok", **medians, every_wall_s=[r["wall_s"] for r in results],
+                        final_return=results[0]["final_return"])
     return out
 
 
@@ -96,19 +111,22 @@ def markdown(results: dict) -> str:
     lines = [f"## PPO CartPole, {results['total_timesteps']:,} steps, launch to exit ({m['slug']})", "",
              f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {results['created']}. Each run is a process of "
              "its own, started one after the other. `start-up`: the wall time outside the steady steps: launch to the "
-             "end of the warm-up iterations, compile included, and the end (last checkpoint, the interpreter's "
-             "teardown). `speed-up`: the reference's wall time over the run's.", "",
-             "| envs | run | wall s | speed-up | start-up s | env-steps/s after start-up | final return |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "end of the warm-up iterations, compile included, and the end (the last checkpoint; the interpreter's "
+             "teardown, which leanrl's scripts skip). `speed-up`: the reference's wall time over the run's. "
+             f"{results['repeats']} turn(s): medians, and every turn's wall time.", "",
+             "| envs | run | wall s | speed-up | every turn's wall s | start-up s | env-steps/s after start-up | "
+             "final return |",
+             "|---:|---|---:|---:|---|---:|---:|---:|"]
     for num_envs, runs in results["envs"].items():
         ref = runs.get("reference", {})
         for run, r in runs.items():
             if r["status"] != "ok":
-                lines.append(f"| {num_envs} | {run} | error: {r['reason'][:120]} | | | | |")
+                lines.append(f"| {num_envs} | {run} | error: {r['reason'][:120]} | | | | | |")
                 continue
             speedup = f"{ref['wall_s'] / r['wall_s']:.2f}x" if ref.get("status") == "ok" else "-"
             ret = "-" if r["final_return"] is None else f"{r['final_return']:.0f}"
-            lines.append(f"| {num_envs} | {run} | {r['wall_s']:.1f} | {speedup} | {r['startup_s']:.1f} | "
+            every = ", ".join(f"{w:.1f}" for w in r["every_wall_s"])
+            lines.append(f"| {num_envs} | {run} | {r['wall_s']:.1f} | {speedup} | {every} | {r['startup_s']:.1f} | "
                          f"{r['sps']:,.0f} | {ret} |")
     return "\n".join(lines) + "\n"
 
@@ -118,16 +136,20 @@ def main():
     p.add_argument("--envs", default="4,64,256", help="comma-separated numbers of envs")
     p.add_argument("--total-timesteps", type=int, default=100_000)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--repeats", type=int, default=3, help="turns of the runs, one after the other; medians")
     p.add_argument("--out", help="results folder (default: benchmarks/results/<machine>)")
     a = p.parse_args()
     runs = a.runs.split(",")
     if unknown := [r for r in runs if r not in RUNS]:
         p.error(f"--runs: unknown {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    if a.repeats < 1:
+        p.error(f"--repeats: {a.repeats}; at least 1")
     machine = machine_info(torch.device("cpu"))
     out = a.out or os.path.join(HERE, "results", machine["slug"])
     os.makedirs(out, exist_ok=True)
     results = dict(machine=machine, created=time.strftime("%Y-%m-%d %H:%M"), total_timesteps=a.total_timesteps,
-                   envs={n: measure(int(n), a.total_timesteps, runs) for n in a.envs.split(",")})
+                   repeats=a.repeats, envs={n: measure(int(n), a.total_timesteps, runs, a.repeats)
+                                            for n in a.envs.split(",")})
     with open(os.path.join(out, "cpu_speed.json"), "w") as f:
         json.dump(results, f, indent=1)
     table = markdown(results)

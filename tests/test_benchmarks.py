@@ -142,15 +142,17 @@ def test_async_vs_sync_writes_its_table_plot_and_readme_section(out, tmp_path):
 
 def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_readme(tmp_path):
     """benchmarks/cpu_speed.py at a smoke size: the CleanRL-style reference and leanrl eager, each a process of its
-    own; a row per run with its speed-up over the reference; the table in the machine's README section."""
+    own, in two turns; a row per run with its speed-up over the reference and every turn's wall time; the table in the
+    machine's README section."""
     folder = tmp_path / "results" / "cpu-test"
-    proc = bench("--envs", "2", "--total-timesteps", "1024", "--runs", "reference,eager", "--out", str(folder),
-                 script="cpu_speed.py")
+    proc = bench("--envs", "2", "--total-timesteps", "1024", "--runs", "reference,eager", "--repeats", "2",
+                 "--out", str(folder), script="cpu_speed.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((folder / "cpu_speed.json").read_text())["envs"]["2"]
     assert list(runs) == ["reference", "eager"]
     for r in runs.values():
         assert r["status"] == "ok" and 0 < r["startup_s"] < r["wall_s"] and r["sps"] > 0
+        assert len(r["every_wall_s"]) == 2 and min(r["every_wall_s"]) <= r["wall_s"] <= max(r["every_wall_s"])
     assert "| 2 | reference |" in proc.stdout and "| 1.00x |" in proc.stdout and "| 2 | eager |" in proc.stdout
     bad = bench("--runs", "eager,fastest", script="cpu_speed.py")
     assert bad.returncode == 2 and "unknown fastest" in bad.stderr

@@ -4,6 +4,9 @@ import copy
 import gc
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -164,6 +167,33 @@ def test_clean_exit_keeps_the_imported_modules_out_of_the_garbage_collector_unti
         created = []
         assert any(x is created for x in gc.get_objects())  # made after entry: collectable
     assert frozen > 0 and gc.get_freeze_count() == 0
+
+
+def test_clean_exit_ends_a_script_without_the_interpreters_teardown(tmp_path):
+    """Run as a script, a completed run ends with what Python does at exit (non-daemon threads joined, atexit
+    handlers, stdout flushed) and exit code 0, but not the teardown that frees each module's objects. Under a
+    wrapper with work left after the script (runpy here, as cProfile and coverage), the process goes on."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, threading, time
+        import leanrl
+
+        class Loud:
+            def __del__(self):
+                print("teardown", flush=True)
+
+        freed_by_the_teardown = Loud()
+        atexit.register(print, "atexit")
+        with leanrl.clean_exit():
+            threading.Thread(target=lambda: (time.sleep(0.2), print("thread"))).start()
+            print("body")  # stdout is a pipe: buffered
+        """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["body", "thread", "atexit"], run.stderr
+    wrapper = f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__'); print('wrapper')"
+    run = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert {"body", "wrapper", "thread", "atexit", "teardown"} == set(run.stdout.split())
 
 
 def test_save_on_interrupt_saves_on_sigterm_reraises_and_restores_the_handler(tmp_path, capsys):
