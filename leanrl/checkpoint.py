@@ -169,7 +169,8 @@ def clean_exit():
     a checkpoint it cannot resume) with its one-line error (exit code 2). Library code raises; scripts end cleanly.
     The objects that exist on entry (the imported modules, torch's above all) live until the process ends, so they
     are frozen out of Python's cyclic garbage collector, whose full collections walked them for 0.3 s of an 8.5 s
-    compiled PPO CartPole run (2-core CPU); unfrozen on the way out.
+    compiled PPO CartPole run (2-core CPU); unfrozen on the way out, for a teardown that runs to free them (left
+    frozen, bindings such as ale-py's report leaks).
     When the `with` is the top level of a script the interpreter runs (not under cProfile, coverage or runpy, which
     have work left after it), a run that completes ends the process there: what Python does at exit runs
     (non-daemon threads joined, atexit handlers, stdout and stderr flushed), then `os._exit(0)` skips the
