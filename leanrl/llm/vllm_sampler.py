@@ -17,7 +17,6 @@ import importlib.util
 import json
 import multiprocessing.connection
 import os
-import socket
 import threading
 import time
 from collections import deque
@@ -77,12 +76,6 @@ def _gpu_transfer_blocker(engine_on_cpu: bool, engine_in_process: bool) -> str |
         return ("this process is a torch.distributed rank: vLLM's ipc and nccl senders synchronize every rank of "
                 "its group at each update, which only the ranks of a sharded trainer do together")
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wake_on_engine_death(core, sentinels):
@@ -210,9 +203,10 @@ class VLLMSampler:
         from leanrl.llm.vllm_weights import EngineClient, ParamsSource, SafetensorsTrainerInitInfo
         if self.weight_transfer == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            from vllm.utils.network_utils import get_open_port
             workers = self.engine.vllm_config.parallel_config.world_size
-            info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=_free_port(), world_size=1 + workers,
-                                       rank=0)
+            info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=get_open_port(),
+                                       world_size=1 + workers, rank=0)
         elif self.weight_transfer == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
             info = IPCTrainerInitInfo(rank=0)
