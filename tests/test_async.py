@@ -6,7 +6,6 @@ import json
 import multiprocessing
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 import leanrl
 from leanrl.algorithms import ppo, ppo_async
@@ -146,12 +146,6 @@ def test_bad_settings_are_clear_errors(kw, message):
         pipeline.check_settings(**settings_)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("rank_zero_only", [False, True])
 def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_zero_only, tmp_path):
     """A collector rank on another node (no shared file system) gets rank 0's model directory over the group."""
@@ -161,7 +155,7 @@ def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_z
     (model / "config.json").write_text('{"hidden_size": 64}')
     (model / "tokenizer" / "vocab.txt").write_text("a\nb\n")
     (model / "model.safetensors").write_bytes(os.urandom(300_000))
-    mp.spawn(receive_directory, args=(3, free_port(), str(model), str(tmp_path), rank_zero_only), nprocs=3)
+    mp.spawn(receive_directory, args=(3, get_free_port(), str(model), str(tmp_path), rank_zero_only), nprocs=3)
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(3)]
     assert got[0]["local"] == str(model)
     assert all(g["files"] == got[0]["files"] for g in got) and len(got[0]["files"]) == 3
@@ -170,7 +164,8 @@ def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_z
 
 
 def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+           "--master-port", str(get_free_port()),
            os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport", "distributed",
            "--num-collectors", "2", "--max-lag", "2", "--total-timesteps", "2560", "--num-steps", "32",
            "--update-epochs", "2", "--run-dir", str(tmp_path), "--no-progress", "--log-every", "5"]
@@ -254,7 +249,8 @@ def test_decoupled_loss_against_hand_computed_values():
     torch.testing.assert_close(m["pg_loss"], pg, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, pg - 0.01 * ent.mean() + 0.5 * v, rtol=1e-5, atol=1e-6)
     # On-policy (behaviour == proximal) it is plain PPO.
-    same, _ = ppo_async.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0, **KW)
+    same, _ = ppo_async.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0,
+                                           **KW)
     plain, _ = ppo.ppo_loss(agent, obs, actions, proximal, adv, returns, values, **KW)
     torch.testing.assert_close(same, plain)
 
@@ -315,7 +311,7 @@ def descendants(pid):
 def test_sigterm_stops_every_role_with_a_final_checkpoint(transport, tmp_path):
     # Under torchrun the signal goes to torchrun, which passes it to every rank.
     launcher = [sys.executable] if transport == "processes" else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port())]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(get_free_port())]
     cmd = [*launcher, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport", transport,
            "--num-collectors", "2", "--total-timesteps", "10000000", "--run-dir", str(tmp_path), "--no-progress",
            "--log-every", "1", "--checkpoint-every", "0", "--update-epochs", "1"]

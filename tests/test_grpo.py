@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 import leanrl
 from leanrl.algorithms import grpo
@@ -263,13 +264,6 @@ def test_packed_rows_train_as_one_sequence_per_row():
     assert m1["perf/update_padding_frac"] < 0.5 < m0["perf/update_padding_frac"]
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation, tmp_path):
     """Two gloo ranks, each updating on half of every batch (whole groups) with gradients summed over the ranks:
@@ -288,7 +282,7 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
     learner = grpo.Learner(single, args, torch.device("cpu"))
     for version, r in enumerate(rewards):
         metrics = learner.update(batch, r, version)
-    port = _free_port()
+    port = get_free_port()
     mp.spawn(data_parallel_update, args=(2, port, model, batch, rewards, args, str(tmp_path)), nprocs=2)
     (p0, m0), (p1, _) = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(p0, p1)  # the ranks' weights never part
@@ -511,7 +505,7 @@ def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = _free_port()
+    port = get_free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                 os.path.join(root, "scripts", "grpo_arith.py"), "--num-prompts", "8", "--group-size", "4",
                 "--micro-batch", "4", "--sft-steps", "20", "--sft-batch", "16", "--run-dir", str(tmp_path),
@@ -545,7 +539,8 @@ def test_async_grpo_under_torchrun(transport, tmp_path):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(get_free_port()),
            os.path.join(root, "scripts", "grpo_arith.py"), "--async", "--max-lag", "2", "--num-collectors", "1",
            "--transport", transport, "--num-prompts", "8", "--group-size", "4", "--micro-batch", "4",
            "--sft-steps", "20", "--sft-batch", "16", "--total-timesteps", "160", "--run-dir", str(tmp_path),

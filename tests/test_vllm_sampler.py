@@ -311,12 +311,10 @@ def test_an_engine_on_another_node_collects_for_the_trainer(tmp_path):
     process of its own and takes every update in flight (`--transport distributed`). Both nodes end cleanly, rank 0
     logs every batch within the lag bound and checkpoints."""
     import json
-    import socket
     import subprocess
     import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from torch.distributed.elastic.utils.distributed import get_free_port
+    port = get_free_port()
     script = [os.path.join(ROOT, "scripts", "grpo_arith.py"), "--sampler", "vllm", "--tiny-hidden", "128", "--async",
               "--max-lag", "2", "--num-collectors", "1", "--transport", "distributed", "--sft-steps", "20",
               "--total-timesteps", "640", "--run-dir", str(tmp_path), "--no-progress", "--log-every", "1"]
