@@ -512,6 +512,10 @@ def check_args(args: Args, world: int = 1):
 def load_policy(args: Args, device, model_dir: str | None = None):
     """Task, model (prepared and warm-started, or loaded from `model_dir`), tokenizer and the model's directory:
     what the sync loop, the async trainer and every async collector build identically."""
+    if not args.progress:  # transformers' own bars too (saving, loading weights): a switch for the whole process
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     task = make_task(args.task)
     model_dir = model_dir or prepare_model(args, task, device)
     model, tokenizer = load_model(model_dir, device=device, dtype=getattr(torch, args.dtype))

@@ -492,6 +492,7 @@ def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
            "--run-dir", run_dir, "--exp-name", f"script{len(flags)}", "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "%|" not in proc.stderr, proc.stderr[-3000:]  # --no-progress: no tqdm bar, transformers' included
     rows, path = _rows(run_dir, f"script{len(flags)}")
     assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
     assert os.path.isfile(f"{path}/checkpoint.pt")
