@@ -10,6 +10,7 @@ import torch
 
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 from leanrl.llm import sampler as sampler_module
+from transformers_compat import with_cache
 
 ALPHABET = "0123456789+-*= abcdefghij\n"
 
@@ -354,7 +355,7 @@ def test_in_flight_update(models, packing, recompute_kv):
         # reference: the old model for 3 tokens, then the new one (incremental with the old cache, or fresh)
         ids = torch.tensor([prompts[pid][1]])
         cache = DynamicCache(config=old.config)
-        logits = old(ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = old(ids, use_cache=True, **with_cache(old, cache)).logits[0, -1]
         ref_tokens, ref_logprobs = [], []
         for t in range(C):
             token = logits.argmax()
@@ -367,7 +368,7 @@ def test_in_flight_update(models, packing, recompute_kv):
                 full = torch.cat([ids[0], torch.tensor(ref_tokens)])[None]
                 logits = new(full).logits[0, -1]
             else:
-                logits = current(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = current(token.view(1, 1), use_cache=True, **with_cache(current, cache)).logits[0, -1]
         assert seq[P:].tolist() == ref_tokens[:C]
         torch.testing.assert_close(batch["logprobs"][r, P:P + C], torch.stack(ref_logprobs[:C]), atol=1e-4,
                                    rtol=0)

@@ -12,6 +12,8 @@ pytest.importorskip("vllm", reason="vLLM not installed (pip install 'leanrl[vllm
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: 2.5 s to start
 
 from tensordict import from_module  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+from transformers_compat import with_cache  # noqa: E402
 
 from leanrl.llm import char_tokenizer, load_model, save_tiny_model  # noqa: E402
 from leanrl.llm.vllm_sampler import VLLMSampler  # noqa: E402
@@ -46,9 +48,10 @@ def scores(model, tokens, split=None, model_after=None):
         if split is None:
             logits = model(tokens[None]).logits[0]
         else:
-            first = model(tokens[None, :split], use_cache=True)
-            rest = model_after(tokens[None, split:], past_key_values=first.past_key_values).logits
-            logits = torch.cat([first.logits, rest], 1)[0]
+            cache = DynamicCache(config=model.config)
+            first = model(tokens[None, :split], use_cache=True, **with_cache(model, cache)).logits
+            rest = model_after(tokens[None, split:], use_cache=True, **with_cache(model_after, cache)).logits
+            logits = torch.cat([first, rest], 1)[0]
     lp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
     out = torch.zeros(len(tokens))
     out[1:] = lp[:-1].gather(-1, tokens[1:, None])[:, 0]
