@@ -108,7 +108,7 @@ def test_sac_target_entropy_term_by_hand():
 
 def test_sac_log_prob_matches_torch_distributions():
     torch.manual_seed(0)
-    actor = sac.Actor(3, gym.spaces.Box(np.array([-1.0, 0.0]), np.array([3.0, 1.0]), dtype=np.float32), 16)
+    actor = sac.Actor(3, gym.spaces.Box(np.float32([-1.0, 0.0]), np.float32([3.0, 1.0])), 16)
     obs = torch.randn(64, 3)
     torch.manual_seed(1)
     action, log_prob = sac.sample_action(actor, obs)
