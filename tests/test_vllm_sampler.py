@@ -111,6 +111,48 @@ def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch, rec
     check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
 
 
+def test_an_engine_that_dies_during_an_update_is_a_clear_error(setup, tmp_path, monkeypatch):
+    """The engine process killed while an update is sent: the update raises the engine's error within seconds, its
+    resume of the engine included (vLLM marks the client dead only after stopping the engine's processes, slowed
+    here as on a loaded machine; a call in that window waited forever)."""
+    import threading
+    import time
+
+    from vllm import envs
+    tok = setup[0]
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    envs.disable_envs_cache()
+    model_dir = save_tiny_model(str(tmp_path / "a"), tok, seed=0, **TINY)
+    sampler = VLLMSampler(model_dir, num_slots=4, max_len=40, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
+                          params=from_module(load_model(model_dir)[0]).data, seed=0)
+    manager = sampler.engine.engine_core.resources.engine_manager
+    stop_processes = manager.shutdown
+    monkeypatch.setattr(manager, "shutdown", lambda *a, **k: (time.sleep(5), stop_processes(*a, **k)))
+    send_weights = sampler._sender.send_weights
+
+    def killed_then_sent():
+        (engine,) = manager.processes
+        engine.kill()
+        engine.join()
+        send_weights()
+
+    monkeypatch.setattr(sampler._sender, "send_weights", killed_then_sent)
+    errors = []
+
+    def update():
+        try:
+            sampler.push_weights(1)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    updater = threading.Thread(target=update, daemon=True)
+    updater.start()
+    updater.join(timeout=30)
+    assert not updater.is_alive(), "the update still waits on the dead engine after 30 s"
+    assert len(errors) == 1 and "the vLLM engine process (EngineCore) died" in errors[0]
+
+
 def check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv):
     set_weights(sampler, model_a)
     sampler.fill(sampler.make_batch(2), prompts(tok, 1), group_size=2, step_boundary=lambda: 10, carry_over=False)

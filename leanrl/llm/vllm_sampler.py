@@ -80,9 +80,12 @@ def _gpu_transfer_blocker(engine_on_cpu: bool, engine_in_process: bool) -> str |
 
 def _wake_on_engine_death(core, sentinels):
     """vLLM 0.32's sync client waits forever for a step or an RPC whose engine process died (its own monitor shuts
-    the output thread down without waking the waiter): wake the waiter with EngineDeadError."""
+    the output thread down without waking the waiter): wake the waiter with EngineDeadError. The client is marked
+    dead first, so a call that starts later raises at once: vLLM's monitor marks it only after stopping the engine's
+    processes, and a call in that window (the resume after a failed update) waited forever."""
     from vllm.v1.engine.exceptions import EngineDeadError
     multiprocessing.connection.wait(sentinels)
+    core.resources.engine_dead = True
     core.outputs_queue.put_nowait(EngineDeadError())
     for future in list(core.utility_results.values()):
         if not future.done():
