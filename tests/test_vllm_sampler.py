@@ -95,12 +95,9 @@ def test_in_flight_update(setup, recompute_kv):
     check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
 
 
-@pytest.mark.parametrize("recompute_kv", [False, True])
-def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch, recompute_kv):
-    """The same with vLLM's default engine, a process of its own that steps its requests by itself: held while the
-    weights change (an update is several calls into it), it samples what the in-process engine does."""
+def engine_process_sampler(tok, tmp_path, monkeypatch):
+    """A sampler on vLLM's default engine: a process of its own, which steps its requests by itself."""
     from vllm import envs
-    tok, _, model_a, model_b = setup
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     envs.disable_envs_cache()  # a started engine caches vLLM's environment variables
     model_dir = save_tiny_model(str(tmp_path / "a"), tok, seed=0, **TINY)
@@ -108,6 +105,15 @@ def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch, rec
                           pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
                           params=from_module(load_model(model_dir)[0]).data, seed=0)
     assert sampler._engine_process
+    return sampler
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch, recompute_kv):
+    """The same with vLLM's default engine, a process of its own that steps its requests by itself: held while the
+    weights change (an update is several calls into it), it samples what the in-process engine does."""
+    tok, _, model_a, model_b = setup
+    sampler = engine_process_sampler(tok, tmp_path, monkeypatch)
     check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
 
 
@@ -118,14 +124,7 @@ def test_an_engine_that_dies_during_an_update_is_a_clear_error(setup, tmp_path, 
     import threading
     import time
 
-    from vllm import envs
-    tok = setup[0]
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    envs.disable_envs_cache()
-    model_dir = save_tiny_model(str(tmp_path / "a"), tok, seed=0, **TINY)
-    sampler = VLLMSampler(model_dir, num_slots=4, max_len=40, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
-                          params=from_module(load_model(model_dir)[0]).data, seed=0)
+    sampler = engine_process_sampler(setup[0], tmp_path, monkeypatch)
     manager = sampler.engine.engine_core.resources.engine_manager
     stop_processes = manager.shutdown
     monkeypatch.setattr(manager, "shutdown", lambda *a, **k: (time.sleep(5), stop_processes(*a, **k)))
