@@ -12,7 +12,7 @@ import re
 import gymnasium
 import torch
 
-from leanrl.run import UsageError
+from leanrl.cli import UsageError
 
 SUPPORTED = (
     "Atari: 'ALE/<Game>-v5' or '<Game>NoFrameskip-v4', e.g. 'ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'; "

@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from leanrl.gym_adapter import to_device
-from leanrl.run import MissingExtra
+from leanrl.cli import MissingExtra
 
 try:
     from ale_py import roms

@@ -21,7 +21,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
 from leanrl.gym_adapter import TorchVectorEnv
-from leanrl.run import MissingExtra
+from leanrl.cli import MissingExtra
 
 
 class GymEnv(TorchVectorEnv):

@@ -1,19 +1,32 @@
 """leanrl: small-model RL at the speed of the hardware. A toolbox: the algorithm files own their loops and call
-these tools (nothing here calls back into an algorithm)."""
+these tools (nothing here calls back into an algorithm).
 
-from leanrl.acceleration import (WARMUP, ScannableAdam, ShapeChangeError, ShapeGuard, accelerate, compiling_on_cpu,
-                                 gradient_step, load_optimizer_state, make_adam, sync_cuda, wrap_flags)
-from leanrl.checkpoint import CheckpointError, clean_exit, load_checkpoint, save_checkpoint, save_on_interrupt
-from leanrl.evaluation import crossings, evaluate
-from leanrl.gym_adapter import TorchVectorEnv
-from leanrl.logger import Logger
-from leanrl.run import (MissingExtra, RunArgs, UsageError, check_flags, make_run_dir, resolve_device, restore_envs,
-                        seed_everything)
+Each name loads its module on first use, so the commands that need no torch (`python -m leanrl.plot`,
+`scripts/plan_layout.py`) start in about a second, not four (torch and tensordict's imports, 2-core CPU)."""
 
-__all__ = [
-    "WARMUP", "accelerate", "compiling_on_cpu", "gradient_step", "make_adam", "sync_cuda", "wrap_flags",
-    "load_optimizer_state", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "Logger", "TorchVectorEnv", "RunArgs",
-    "UsageError", "MissingExtra", "check_flags", "load_checkpoint", "save_checkpoint", "save_on_interrupt",
-    "CheckpointError", "clean_exit", "crossings", "evaluate", "make_run_dir", "resolve_device", "restore_envs",
-    "seed_everything",
-]
+import importlib
+
+_MODULE_OF = {
+    **dict.fromkeys(["WARMUP", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "accelerate", "compiling_on_cpu",
+                     "gradient_step", "load_optimizer_state", "make_adam", "sync_cuda", "wrap_flags"], "acceleration"),
+    **dict.fromkeys(["CheckpointError", "load_checkpoint", "save_checkpoint", "save_on_interrupt"], "checkpoint"),
+    **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit"], "cli"),
+    **dict.fromkeys(["crossings", "evaluate"], "evaluation"),
+    "TorchVectorEnv": "gym_adapter",
+    "Logger": "logger",
+    **dict.fromkeys(["RunArgs", "check_flags", "make_run_dir", "resolve_device", "restore_envs", "seed_everything"],
+                    "run"),
+}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'leanrl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"leanrl.{_MODULE_OF[name]}"), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

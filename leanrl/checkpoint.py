@@ -1,20 +1,17 @@
 """Checkpoints that resume a run exactly: state, every RNG the run draws from, and the run's flags, which a resume
-compares with its own. And how a script ends: quietly, with the shell's exit code, on Ctrl-C or SIGTERM."""
+compares with its own; on Ctrl-C or SIGTERM, a checkpoint saved before the run ends (`save_on_interrupt`)."""
 
-import atexit
 import contextlib
-import gc
 import os
 import random
 import signal
-import sys
 import threading
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
-from leanrl.run import UsageError
+from leanrl.cli import UsageError, raise_on_sigterm
 
 # Flags a resumed run may change: they decide how a run is watched, saved or accelerated, not what it computes.
 HARMLESS_FLAGS = frozenset({
@@ -108,28 +105,13 @@ def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> 
     return state
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised as a KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-def _raise_on_sigterm():
-    """Turn SIGTERM into `Terminated`. Returns the previous handler, for the caller to restore."""
-    def handler(signum, frame):
-        raise Terminated(signum)
-    return signal.signal(signal.SIGTERM, handler)
-
-
 @contextlib.contextmanager
 def save_on_interrupt(path: str, state_fn, args=None):
     """Inside it, SIGTERM raises KeyboardInterrupt; on Ctrl-C or SIGTERM, save `state_fn()` (with `args`) at
     `path`, say how to resume, and re-raise. The previous SIGTERM handler is restored on exit. (Signals reach only
     the main thread: elsewhere, e.g. in a collector thread, it only saves on a KeyboardInterrupt raised inside.)"""
     main = threading.current_thread() is threading.main_thread()
-    previous = _raise_on_sigterm() if main else None
+    previous = raise_on_sigterm() if main else None
     try:
         yield
     except KeyboardInterrupt:
@@ -139,59 +121,3 @@ def save_on_interrupt(path: str, state_fn, args=None):
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Inside it, Ctrl-C and SIGTERM wait and are raised again on exit. For code that talks to a thread through a
-    queue (TensorBoard's writer): an exception raised in the middle of a queue's put can lose its wake-up, and
-    the close that follows then hangs (measured: 2 of 20 SIGTERMs at random times, before this). Main thread only,
-    where Python runs signal handlers; elsewhere it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    held = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(caught):
-            signal.raise_signal(s)
-
-
-@contextlib.contextmanager
-def clean_exit():
-    """Around a script's main: Ctrl-C and SIGTERM end it with no traceback and the shell's exit codes (130, 143;
-    the run has saved its checkpoint and printed its summary), and bad input (`UsageError`: a flag, a model directory,
-    a checkpoint it cannot resume) with its one-line error (exit code 2). Library code raises; scripts end cleanly.
-    The objects that exist on entry (the imported modules, torch's above all) live until the process ends, so they
-    are frozen out of Python's cyclic garbage collector, whose full collections walked them for 0.3 s of an 8.5 s
-    compiled PPO CartPole run (2-core CPU); unfrozen on the way out, for a teardown that runs to free them (left
-    frozen, bindings such as ale-py's report leaks).
-    When the `with` is the top level of a script the interpreter runs (not under cProfile, coverage or runpy, which
-    have work left after it), a run that completes ends the process there: what Python does at exit runs
-    (non-daemon threads joined, atexit handlers, stdout and stderr flushed), then `os._exit(0)` skips the
-    interpreter's teardown, which frees every module's objects one by one: 1.1-1.4 s of a 9-12 s compiled PPO
-    CartPole run (2-core CPU). CPython's multiprocessing ends its child processes the same way."""
-    script = sys._getframe(2).f_back is None  # frames: this generator, contextlib's __enter__, the `with`
-    gc.freeze()
-    previous = _raise_on_sigterm()
-    try:
-        yield
-    except KeyboardInterrupt as e:
-        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        gc.unfreeze()
-    if script:
-        threading._shutdown()  # Python's exit, in its order
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)

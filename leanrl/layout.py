@@ -68,8 +68,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from leanrl.logger import read_metrics
-from leanrl.run import UsageError
+from leanrl.metrics import read_metrics
+from leanrl.cli import UsageError
 
 MODES = ("sync", "one_step_off", "pipelined")
 

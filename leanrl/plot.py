@@ -15,9 +15,8 @@ from typing import Literal
 import numpy as np
 import tyro
 
-from leanrl.checkpoint import clean_exit
-from leanrl.logger import read_metrics
-from leanrl.run import MissingExtra, UsageError
+from leanrl.cli import MissingExtra, UsageError, clean_exit
+from leanrl.metrics import read_metrics
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What every run shares: its arguments (and the error for bad ones), seeding, device and run directory."""
+"""What every run shares: its arguments and their checks, seeding, device and run directory."""
 
 import os
 import random
@@ -9,15 +9,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-
-class UsageError(ValueError):
-    """Input a run cannot work with, named as the user gave it (a flag, a file or directory a flag names): a script
-    prints its message alone, with exit code 2 (`clean_exit`), before anything long has started."""
-
-
-class MissingExtra(UsageError, ImportError):
-    """An optional part a run needs is not installed: the message says what to pip install (one line, exit code
-    2, as any `UsageError`; still an ImportError to code that catches one)."""
+from leanrl.cli import UsageError
 
 
 @dataclass

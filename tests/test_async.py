@@ -23,6 +23,7 @@ import leanrl
 from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 from leanrl import pipeline
+from leanrl.metrics import read_metrics
 from leanrl.pipeline.weights import WeightRing
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -192,7 +193,7 @@ def test_async_ppo_solves_on_device_cartpole_with_max_lag_2(tmp_path):
     trained = ppo_async.train(args, functools.partial(make_env, args.env_id, args.num_envs),
                               make_env(args.env_id, 1), torch.device("cpu"))
     (metrics,) = tmp_path.glob("*/metrics.jsonl")
-    returns = [row["charts/episodic_return"] for row in leanrl.logger.read_metrics(metrics)]
+    returns = [row["charts/episodic_return"] for row in read_metrics(metrics)]
     assert max(returns) >= 475, returns
     assert trained.logged["async/lag_max"] == 2 and 0 < trained.logged["async/ess"] <= 1
 

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from leanrl.run import MissingExtra, UsageError
+from leanrl.cli import MissingExtra, UsageError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # name -> (pip distribution holding the GGUF, the GGUF's file name inside that package)

@@ -24,7 +24,7 @@ from tensordict import TensorDict, from_module
 
 from leanrl.acceleration import accelerate
 from leanrl.llm.models import FAMILIES
-from leanrl.run import UsageError
+from leanrl.cli import UsageError
 
 
 # The products a layer (and the head) computes, each from one or more weight matrices concatenated along the output.

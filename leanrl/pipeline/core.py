@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from leanrl.run import UsageError
+from leanrl.cli import UsageError
 
 TRANSPORTS = ("threads", "processes", "distributed")
 

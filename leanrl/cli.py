@@ -1,0 +1,93 @@
+"""How a command meets its user: bad input is one line on stderr (`UsageError`, `MissingExtra`: exit code 2), Ctrl-C
+and SIGTERM end it with the shell's exit codes (`clean_exit`), and writes that must not be cut short hold signals off
+(`signals_deferred`). Torch-free, like `leanrl/__init__`, so the commands that need no torch (`python -m
+leanrl.plot`, `scripts/plan_layout.py`) start without paying its import."""
+
+import atexit
+import contextlib
+import gc
+import os
+import signal
+import sys
+import threading
+
+
+class UsageError(ValueError):
+    """Input a run cannot work with, named as the user gave it (a flag, a file or directory a flag names): a script
+    prints its message alone, with exit code 2 (`clean_exit`), before anything long has started."""
+
+
+class MissingExtra(UsageError, ImportError):
+    """An optional part a run needs is not installed: the message says what to pip install (one line, exit code
+    2, as any `UsageError`; still an ImportError to code that catches one)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as a KeyboardInterrupt so a killed run takes the same exit path as Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def raise_on_sigterm():
+    """Turn SIGTERM into `Terminated`. Returns the previous handler, for the caller to restore."""
+    def handler(signum, frame):
+        raise Terminated(signum)
+    return signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Inside it, Ctrl-C and SIGTERM wait and are raised again on exit. For code that talks to a thread through a
+    queue (TensorBoard's writer): an exception raised in the middle of a queue's put can lose its wake-up, and
+    the close that follows then hangs (measured: 2 of 20 SIGTERMs at random times, before this). Main thread only,
+    where Python runs signal handlers; elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def clean_exit():
+    """Around a script's main: Ctrl-C and SIGTERM end it with no traceback and the shell's exit codes (130, 143;
+    the run has saved its checkpoint and printed its summary), and bad input (`UsageError`: a flag, a model directory,
+    a checkpoint it cannot resume) with its one-line error (exit code 2). Library code raises; scripts end cleanly.
+    The objects that exist on entry (the imported modules, torch's above all) live until the process ends, so they
+    are frozen out of Python's cyclic garbage collector, whose full collections walked them for 0.3 s of an 8.5 s
+    compiled PPO CartPole run (2-core CPU); unfrozen on the way out, for a teardown that runs to free them (left
+    frozen, bindings such as ale-py's report leaks).
+    When the `with` is the top level of a script the interpreter runs (not under cProfile, coverage or runpy, which
+    have work left after it), a run that completes ends the process there: what Python does at exit runs
+    (non-daemon threads joined, atexit handlers, stdout and stderr flushed), then `os._exit(0)` skips the
+    interpreter's teardown, which frees every module's objects one by one: 1.1-1.4 s of a 9-12 s compiled PPO
+    CartPole run (2-core CPU). CPython's multiprocessing ends its child processes the same way."""
+    script = sys._getframe(2).f_back is None  # frames: this generator, contextlib's __enter__, the `with`
+    gc.freeze()
+    previous = raise_on_sigterm()
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        gc.unfreeze()
+    if script:
+        threading._shutdown()  # Python's exit, in its order
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
