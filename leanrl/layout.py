@@ -439,6 +439,7 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
     n_train = s.total_gpus if s.mode == "sync" else s.total_gpus - n_sample
     R = (s.total_gpus if s.mode == "sync" else n_sample) // s.tp
     T, t_pf, width = train_step_time(s, n_train), prefill_time(s), s.max_lag + 2
+    t_step = [step_time(s, n) for n in range(b + 1)]  # by active sequences: a list index, not a cache's hash of s
     total = (steps + s.max_lag + 2) * s.batch
     length = s.lengths.sample(rng, total)
     start_ver = np.zeros(total, dtype=np.int64)
@@ -475,13 +476,13 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
     def schedule(r):
         stamp[r] += 1
         if len(active[r]):
-            push(t0[r] + int(rem[r].min()) * step_time(s, len(active[r])), "finish", r)
+            push(t0[r] + int(rem[r].min()) * t_step[len(active[r])], "finish", r)
 
     def arrive(now):  # in-flight update: each replica finishes its current step, then pauses
         state["visible"] += 1
         for q in range(R):
             if len(active[q]):
-                dt = step_time(s, len(active[q]))
+                dt = t_step[len(active[q])]
                 k = max(math.ceil((now - t0[q]) / dt - 1e-9), 0)
                 advance(q, k, dt)
                 t0[q] += k * dt
@@ -505,30 +506,37 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
         return state["visible"] >= g - off and prev_done
 
     def admit(now):
+        if not may_start(state["started"]):  # most events start nothing
+            return
         changed = set()
+        count = [len(ids) for ids in active]
+        started = [[] for _ in range(R)]  # joins `active` at the end: one concatenation per replica, not one per id
         while may_start(state["started"]):
-            free = [r for r in range(R) if len(active[r]) < b]
+            free = [r for r in range(R) if count[r] < b]
             if not free:
                 break
-            r = min(free, key=lambda q: len(active[q]))
+            r = min(free, key=count.__getitem__)
             i = state["started"]
             if not pipelined and i % s.batch == 0 and i > 0:  # new weights load at a batch boundary
                 for q in range(R):
                     t0[q] = max(t0[q], now) + s.pause
                     cur_ver[q] = state["visible"]
                     changed.add(q)
-            if not len(active[r]):
+            if not count[r]:
                 t0[r] = max(t0[r], now)
             start_ver[i] = cur_ver[r] if not pipelined else state["visible"]
             if pipelined:
                 cur_ver[r] = state["visible"]
-            active[r] = np.append(active[r], i)
-            rem[r] = np.append(rem[r], length[i])
+            started[r].append(i)
+            count[r] += 1
             t0[r] += t_pf
             busy_slots[r] += t_pf
             state["started"] += 1
             changed.add(r)
         for r in changed:
+            if started[r]:
+                active[r] = np.concatenate([active[r], started[r]])
+                rem[r] = np.concatenate([rem[r], length[started[r]]])
             schedule(r)
 
     def try_train(now):
@@ -569,7 +577,7 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
         if kind == "finish":
             if st != stamp[r]:
                 continue
-            dt = step_time(s, len(active[r]))
+            dt = t_step[len(active[r])]
             k = int(rem[r].min())
             advance(r, k, dt)
             t0[r] = now
