@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from leanrl.gym_adapter import to_device
 from leanrl.cli import MissingExtra
+from leanrl.gym_adapter import to_device
 
 try:
     from ale_py import roms

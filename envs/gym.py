@@ -20,8 +20,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
-from leanrl.gym_adapter import TorchVectorEnv
 from leanrl.cli import MissingExtra
+from leanrl.gym_adapter import TorchVectorEnv
 
 
 class GymEnv(TorchVectorEnv):

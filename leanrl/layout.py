@@ -68,8 +68,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from leanrl.metrics import read_metrics
 from leanrl.cli import UsageError
+from leanrl.metrics import read_metrics
 
 MODES = ("sync", "one_step_off", "pipelined")
 

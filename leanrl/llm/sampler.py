@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict, from_module
 
 from leanrl.acceleration import accelerate
-from leanrl.llm.models import FAMILIES
 from leanrl.cli import UsageError
+from leanrl.llm.models import FAMILIES
 
 
 # The products a layer (and the head) computes, each from one or more weight matrices concatenated along the output.

@@ -25,9 +25,9 @@ import torch
 from safetensors import safe_open
 from tensordict import from_module
 
+from leanrl.cli import MissingExtra, UsageError
 from leanrl.llm.models import load_model
 from leanrl.llm.sampler import Sampler, check_settings, check_token_ids, may_admit
-from leanrl.cli import MissingExtra, UsageError
 
 WORKER_EXTENSION = "leanrl.llm.vllm_weights.Registered"  # imported by each worker: registers the safetensors engine
 WEIGHT_TRANSFERS = ("auto", "safetensors", "ipc", "nccl")
