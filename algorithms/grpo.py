@@ -504,6 +504,7 @@ def check_args(args: Args, world: int = 1):
     if args.max_prompt_len >= args.max_len:
         raise leanrl.UsageError(f"--max-prompt-len {args.max_prompt_len}: must be below --max-len {args.max_len} "
                                 "(a completion needs at least one token)")
+    leanrl.require_extra("an LLM policy", "transformers", "llm")
     if args.sampler == "vllm":
         from leanrl.llm.vllm_sampler import require_vllm  # an optional extra: the module never imports vLLM itself
         require_vllm()

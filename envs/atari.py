@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from leanrl.cli import MissingExtra
+from leanrl.cli import missing_extra
 from leanrl.gym_adapter import to_device
 
 try:
@@ -36,7 +36,7 @@ try:
     from ale_py.registration import rom_id_to_name
     from ale_py.vector_env import AtariVectorEnv
 except ImportError as e:
-    raise MissingExtra('Atari envs need ale-py: pip install -e ".[atari]"') from e
+    raise missing_extra("an Atari env", "ale-py", "atari") from e
 
 
 # AtariVectorEnv's keyword arguments that the video path (gymnasium's ALE envs) reproduces; num_threads and
@@ -180,8 +180,7 @@ def _recording_vector_env(game: str, num_envs: int, video_folder, repeat_action_
         import cv2  # noqa: F401  (AtariPreprocessing resizes with it)
         import moviepy  # noqa: F401  (RecordVideo writes with it)
     except ImportError as e:
-        raise MissingExtra(f"Atari with video_folder needs {e.name}: pip install opencv-python-headless "
-                           "moviepy") from e
+        raise missing_extra("Atari with video_folder", e.name, "video") from e
 
     def make(index: int) -> gym.Env:
         env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=repeat_action_probability,

@@ -20,7 +20,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
-from leanrl.cli import MissingExtra
+from leanrl.cli import MissingExtra, missing_extra, require_extra
 from leanrl.gym_adapter import TorchVectorEnv
 
 
@@ -39,7 +39,7 @@ class GymEnv(TorchVectorEnv):
                 env = _recording_vector_env(env_id, num_envs, video_folder, make_kwargs)
         except gym.error.DependencyNotInstalled as e:
             if "mujoco" in str(gym.spec(env_id).entry_point):
-                raise MissingExtra(f'{env_id} needs mujoco: pip install -e ".[mujoco]"') from e
+                raise missing_extra(env_id, "mujoco", "mujoco") from e
             raise
         space, action_space = env.single_observation_space, env.single_action_space
         if not isinstance(space, gym.spaces.Box):
@@ -101,11 +101,7 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
                          "video_folder sets it for sub-env 0")
     if os.path.isfile(video_folder):
         raise ValueError(f"video_folder {str(video_folder)!r} is a file, not a folder")
-    try:
-        import moviepy  # noqa: F401
-    except ImportError as e:
-        raise MissingExtra("video_folder needs moviepy (gymnasium's RecordVideo writes with it): "
-                           "pip install moviepy") from e
+    require_extra("video_folder", "moviepy", "video")  # gymnasium's RecordVideo writes with it
     is_mujoco = "mujoco" in str(gym.spec(env_id).entry_point)
     headless = not any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "PYOPENGL_PLATFORM"))
     if is_mujoco and sys.platform.startswith("linux") and headless:

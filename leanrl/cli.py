@@ -6,6 +6,7 @@ leanrl.plot`, `scripts/plan_layout.py`) start without paying its import."""
 import atexit
 import contextlib
 import gc
+import importlib.util
 import os
 import signal
 import sys
@@ -20,6 +21,19 @@ class UsageError(ValueError):
 class MissingExtra(UsageError, ImportError):
     """An optional part a run needs is not installed: the message says what to pip install (one line, exit code
     2, as any `UsageError`; still an ImportError to code that catches one)."""
+
+
+def missing_extra(what: str, module: str, extra: str) -> MissingExtra:
+    """The error for `what`, which needs `module`, a dependency of leanrl's optional `extra`. The pip line works
+    wherever leanrl is installed from (pip keeps the installed leanrl and adds the extra's packages)."""
+    return MissingExtra(f"{what} needs {module}: pip install 'leanrl[{extra}]'")
+
+
+def require_extra(what: str, module: str, extra: str):
+    """Raise `missing_extra(...)` unless `module` is installed (found, not imported): a check to run before
+    anything is built."""
+    if importlib.util.find_spec(module) is None:
+        raise missing_extra(what, module, extra)
 
 
 class Terminated(KeyboardInterrupt):

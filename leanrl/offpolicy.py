@@ -3,22 +3,27 @@ their common arguments, torchrl's replay buffer and its place in a checkpoint, w
 Logger's burn-in for a run that compiles only once learning starts, the vmapped twin critic, and what a script's
 `main` does."""
 
+from __future__ import annotations
+
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
-from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import leanrl
 
+if TYPE_CHECKING:  # torchrl, the `offpolicy` extra, is imported when a buffer is made (see check_replay_args)
+    from torchrl.data import ReplayBuffer
+
 
 def check_replay_args(args, learning_rates=("learning_rate",)) -> int:
-    """Fail on replay settings that cannot work, before any environment is built or anything compiled.
-    Returns the number of iterations (vector env steps)."""
+    """Fail on replay settings that cannot work, or on a missing torchrl, before any environment is built or
+    anything compiled. Returns the number of iterations (vector env steps)."""
     leanrl.check_flags(args, positive=("num_envs", "buffer_size", "batch_size", "eval_episodes", *learning_rates),
                        non_negative=("learning_starts", "eval_every"), unit_interval=("gamma",))
     if args.total_timesteps < args.num_envs:
@@ -31,6 +36,7 @@ def check_replay_args(args, learning_rates=("learning_rate",)) -> int:
                                 f"{args.total_timesteps}: otherwise no update would ever run")
     if not 0 < args.tau <= 1:
         raise leanrl.UsageError(f"tau = {args.tau} must be in (0, 1]")
+    leanrl.require_extra("the replay buffer of TD3, SAC and DQN", "torchrl", "offpolicy")
     return args.total_timesteps // args.num_envs
 
 
@@ -83,6 +89,8 @@ def make_replay_buffer(size: int, batch_size: int, device) -> ReplayBuffer:
     """torchrl's ReplayBuffer with its storage on `device` (allocated for `size` transitions at the first
     `extend`, with the keys, shapes and dtypes of that first batch). `sample()` draws `batch_size`
     transitions uniformly, with replacement, so every batch has the same shape: what a graphed update needs."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
     if batch_size > size:
         raise ValueError(f"batch_size = {batch_size} is larger than buffer_size = {size}")
     return ReplayBuffer(storage=LazyTensorStorage(size, device=device), batch_size=batch_size)

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import tyro
 
-from leanrl.cli import MissingExtra, UsageError, clean_exit
+from leanrl.cli import UsageError, clean_exit, require_extra
 from leanrl.metrics import read_metrics
 
 
@@ -135,10 +135,9 @@ def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int 
 def plot_runs(paths: list[str], metric: str, out: str, spread: str = "std", smooth: int = 1) -> str:
     """Draw `metric` of the runs under `paths` (mean over seeds, `spread` shaded) to the PNG `out`; returns `out`."""
     curves = load_curves(paths, metric, spread, smooth)
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise MissingExtra('leanrl.plot draws with matplotlib: pip install -e ".[plots]"') from e
+    require_extra("leanrl.plot", "matplotlib", "plots")
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6, 4))  # a bare Figure renders with Agg and leaves pyplot's backend alone
     ax = fig.subplots()
     for c in curves:

@@ -12,15 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-import matplotlib
 import numpy as np
 import tyro
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-import leanrl  # noqa: E402
-from leanrl import layout  # noqa: E402
+import leanrl
+from leanrl import layout
 
 
 @dataclass
@@ -175,8 +171,11 @@ def table(preds: list, sims: dict) -> str:
 
 
 def plots(setup: layout.Setup, preds: list, best_sim, out: str):
+    from matplotlib.figure import Figure
+
     os.makedirs(out, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig = Figure(figsize=(16, 4.2))  # a bare Figure renders with Agg and leaves pyplot's backend alone
+    axes = fig.subplots(1, 3)
     best_per_split = {}
     for p in preds:
         if p.n_sample not in best_per_split or p.seqs_per_s > best_per_split[p.n_sample].seqs_per_s:
@@ -203,10 +202,11 @@ def plots(setup: layout.Setup, preds: list, best_sim, out: str):
     axes[2].set(xlabel="lag (optimizer steps)", ylabel="fraction", title="simulated lag, best layout")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "layout_plan.png"), dpi=110)
-    plt.close(fig)
 
 
 def main(a: Args):
+    if a.out:
+        leanrl.require_extra("--out (its plots)", "matplotlib", "plots")
     setup = layout.load_setup(build_config(a))
     if a.compare:
         if a.n_sample is None or a.slots is None:

@@ -211,7 +211,7 @@ def test_missing_optional_dependency_names_the_extra():
 import sys
 sys.modules["ale_py"] = sys.modules["mujoco"] = None  # as if not installed
 from leanrl.envs import make_env
-for env_id, extra in (("ALE/Breakout-v5", ".[atari]"), ("HalfCheetah-v5", ".[mujoco]")):
+for env_id, extra in (("ALE/Breakout-v5", "'leanrl[atari]'"), ("HalfCheetah-v5", "'leanrl[mujoco]'")):
     try:
         make_env(env_id, 1)
     except ImportError as e:

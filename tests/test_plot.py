@@ -141,6 +141,6 @@ def test_errors_name_the_input(runs, tmp_path):
 
 
 def test_missing_matplotlib_says_how_to_install(runs, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
-    with pytest.raises(ImportError, match=r'pip install -e "\.\[plots\]"'):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"^leanrl.plot needs matplotlib: pip install 'leanrl\[plots\]'$"):
         plot.plot_runs([str(runs)], METRIC, str(tmp_path / "plot.png"))
