@@ -61,11 +61,18 @@ def check_flags(args, positive=(), non_negative=(), unit_interval=()) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """`--device`: `auto` (CUDA when available, else the CPU) or a torch device this machine has."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UsageError(f"--device {name}: not a torch device (auto, cpu, cuda, cuda:1, ...)") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 

@@ -45,7 +45,12 @@ def test_a_finished_run_prints_its_summary_and_saves_its_flags(finished_cartpole
     proc, run, checkpoint = finished_cartpole
     out = proc.stdout
     assert f"run:        {run}" in out and "1,024 steps of 1,024 in" in out and "SPS after" in out
-    assert "return:     last " in out and ", best " in out and f"checkpoint: {checkpoint}" in out
+    assert f"checkpoint: {checkpoint}" in out
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    returns = [row["charts/episodic_return"] for row in rows if "charts/episodic_return" in row]
+    recent = returns[-10:]
+    assert len(recent) > 1 and (f"return:     last {returns[-1]:.2f} ({sum(recent) / len(recent):.2f} over the last "
+                                f"{len(recent)} logs), best {max(returns):.2f} (charts/episodic_return)") in out, out
     config = json.load(open(os.path.join(run, "config.json")))
     assert config["num_envs"] == 8 and config["env_id"] == "torch/CartPole-v1"
     state = torch.load(checkpoint, weights_only=False)
@@ -186,6 +191,16 @@ def test_bad_numbers_name_their_flag(flag, value, rule):
 
 PLAN = ["--total-gpus", "8", "--gpu", "H100", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim",
         "128", "--prompt-len", "512", "--length-median", "1000", "--length-cap", "8192", "--batch", "512"]
+
+
+def test_a_device_this_machine_lacks_is_one_line():
+    with pytest.raises(leanrl.UsageError, match=r"^--device gpu: not a torch device \(auto, cpu, cuda, cuda:1, "):
+        leanrl.resolve_device("gpu")
+    count = torch.cuda.device_count()
+    lacking = f"cuda:{count}"  # one past the last GPU; on a machine without CUDA, any
+    with pytest.raises(leanrl.UsageError, match=f"^--device {lacking}: "
+                       + ("CUDA is not available" if count == 0 else f"this machine has {count} CUDA device")):
+        leanrl.resolve_device(lacking)
 
 
 @pytest.mark.parametrize("script, flags, module, extra", [
