@@ -89,7 +89,8 @@ class GymEnv(TorchVectorEnv):
 
     def load_state_dict(self, sd: dict) -> None:
         for name, rms in self._running_stats().items():
-            rms.mean, rms.var, rms.count = sd[name]["mean"].numpy().copy(), sd[name]["var"].numpy().copy(), sd[name]["count"]
+            saved = sd[name]
+            rms.mean, rms.var, rms.count = saved["mean"].numpy().copy(), saved["var"].numpy().copy(), saved["count"]
         if self.reward_norm is not None:
             self.reward_norm.accumulated_reward[:] = sd["accumulated_reward"].numpy()
 

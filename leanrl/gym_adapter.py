@@ -44,8 +44,9 @@ class TorchVectorEnv:
         if not isinstance(env, gym.vector.VectorEnv):
             raise TypeError(f"TorchVectorEnv wraps a gymnasium vector env (gym.make_vec), got {type(env).__name__}")
         if env.metadata.get("autoreset_mode") != AutoresetMode.SAME_STEP:
-            raise ValueError(f"TorchVectorEnv needs autoreset_mode SAME_STEP (the final observation of each episode), "
-                             f"got {env.metadata.get('autoreset_mode')}: make it with gym.make_vec(..., vectorization_mode='sync', "
+            raise ValueError(f"TorchVectorEnv needs autoreset_mode SAME_STEP (the final observation of each "
+                             f"episode), got {env.metadata.get('autoreset_mode')}: make it with gym.make_vec(..., "
+                             "vectorization_mode='sync', "
                              "vector_kwargs={'autoreset_mode': gymnasium.vector.AutoresetMode.SAME_STEP})")
         space = env.single_observation_space
         if not isinstance(space, gym.spaces.Box):

@@ -31,7 +31,8 @@ import gymnasium as gym
 from gymnasium.vector import AutoresetMode
 import leanrl
 def make_envs(env_id, num_envs):
-    return leanrl.TorchVectorEnv(gym.make_vec(env_id, num_envs, vectorization_mode="sync", vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}))
+    return leanrl.TorchVectorEnv(gym.make_vec(env_id, num_envs, vectorization_mode="sync",
+                                              vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}))
 '''
 
 # file name -> what a user writes next to the copy: train, checkpoint at every iteration, then resume to the end.

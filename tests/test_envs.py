@@ -107,7 +107,8 @@ def test_torch_env_step_compiles_and_matches_eager():
 
 
 def _play_games(env, max_steps=5000):
-    """Random actions until every env has finished one game; per env: (raw rewards, terminated flags, td at game end)."""
+    """Random actions until every env has finished one game; per env: (raw rewards, terminated flags, td at game
+    end)."""
     rewards, terms, ends = [[] for _ in range(env.num_envs)], [[] for _ in range(env.num_envs)], {}
     env.reset(seed=0)
     for _ in range(max_steps):
@@ -202,7 +203,8 @@ def test_unknown_env_id_lists_families():
     for env_id in ("NotAnEnv-v0", "torch/Acrobot-v1"):
         with pytest.raises(ValueError) as err:
             make_env(env_id, 1)
-        for example in ("ALE/Breakout-v5", "BreakoutNoFrameskip-v4", "HalfCheetah-v5", "torch/CartPole-v1", "torch/Pendulum-v1"):
+        for example in ("ALE/Breakout-v5", "BreakoutNoFrameskip-v4", "HalfCheetah-v5", "torch/CartPole-v1",
+                        "torch/Pendulum-v1"):
             assert example in str(err.value) and env_id in str(err.value)
 
 

@@ -35,8 +35,8 @@ def runs(tmp_path):
                {"global_step": 20, METRIC: 20.0}, {"global_step": 30, METRIC: 30.0}],
               {"env_id": "toy/Env-v0", "exp_name": "a", "seed": 1})
     write_run(root, "toy-Env-v0__a__2__1700000100",
-              [{"global_step": 5, METRIC: 10.0}, {"global_step": 15, METRIC: 30.0}, {"global_step": 25, "losses/x": 2.0},
-               {"global_step": 35, METRIC: 70.0}])
+              [{"global_step": 5, METRIC: 10.0}, {"global_step": 15, METRIC: 30.0},
+               {"global_step": 25, "losses/x": 2.0}, {"global_step": 35, METRIC: 70.0}])
     write_run(root, "toy-Env-v0__b__7__1700000200",
               [{"global_step": 0, METRIC: 1.0}, {"global_step": 10, "losses/x": 0.5}, {"global_step": 20, METRIC: 3.0}],
               {"env_id": "toy/Env-v0", "exp_name": "b", "seed": 7})
@@ -76,7 +76,8 @@ def test_the_same_run_named_twice_counts_once(runs):
 
 def test_a_resumed_run_keeps_the_rows_logged_after_the_resume(tmp_path):
     write_run(tmp_path, "toy-Env-v0__a__1__1700000000",
-              [{"global_step": s, METRIC: v} for s, v in [(0, 0.0), (10, 1.0), (20, 2.0), (10, 5.0), (20, 6.0), (30, 7.0)]])
+              [{"global_step": s, METRIC: v}
+               for s, v in [(0, 0.0), (10, 1.0), (20, 2.0), (10, 5.0), (20, 6.0), (30, 7.0)]])
     (a,) = plot.load_curves([str(tmp_path)], METRIC)
     np.testing.assert_array_equal(a.steps, [0, 10, 20, 30])
     np.testing.assert_array_equal(a.mean, [0, 5, 6, 7])
