@@ -164,6 +164,16 @@ def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_z
         assert (g["local"] != str(model)) == rank_zero_only
 
 
+def test_distributed_without_torchrun_says_the_torchrun_command(tmp_path):
+    script = os.path.join(ROOT, "scripts", "ppo_cartpole.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, script, "--async", "--transport", "distributed", "--run-dir", "runs"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: --transport distributed: launch with torchrun, one rank per collector and one for the trainer: "
+        f"torchrun --nproc-per-node 3 {script} --async --transport distributed --run-dir runs\n"), proc.stderr
+
+
 def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
            "--master-port", str(get_free_port()),

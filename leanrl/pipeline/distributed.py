@@ -21,7 +21,9 @@ traceback (ERROR) or nothing (DONE: the collector has stopped and sends no more)
 
 import os
 import queue
+import shlex
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from leanrl.acceleration import sync_cuda
+from leanrl.cli import UsageError
 from leanrl.pipeline.core import Stats, Stopped, Trainer, check_settings
 
 BATCH, ERROR, DONE = 0, 1, 2
@@ -71,11 +74,11 @@ def join(num_collectors, device: torch.device) -> torch.device:
     global _weights_group
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise ValueError("--transport distributed: launch with torchrun, e.g. `torchrun --nproc-per-node "
-                             f"{num_collectors + 1} scripts/ppo_cartpole.py --async --transport distributed`")
+            raise UsageError("--transport distributed: launch with torchrun, one rank per collector and one for the "
+                             f"trainer: torchrun --nproc-per-node {num_collectors + 1} {shlex.join(sys.argv)}")
         dist.init_process_group("gloo")
     if dist.get_world_size() != num_collectors + 1:
-        raise ValueError(f"--num-collectors {num_collectors} needs a world of {num_collectors + 1} ranks "
+        raise UsageError(f"--num-collectors {num_collectors} needs a world of {num_collectors + 1} ranks "
                          f"(one trainer), torchrun started {dist.get_world_size()}")
     nccl = False
     if device.type == "cuda":
