@@ -582,7 +582,7 @@ def train(args: Args) -> dict:
     batch = sampler.make_batch(B // world)
     prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world)  # rank r: prompts r, r + N, ...
     num_iterations = args.total_timesteps // B
-    run_dir = data_parallel.broadcast_object(leanrl.make_run_dir(args, f"grpo-{args.task}"))
+    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:

@@ -71,11 +71,11 @@ class DataParallel:
         return {k: high[i] if k.endswith("_max") else low[i] if k.endswith("_min")
                 else total[i] if k.startswith(SUMMED) else total[i] / self.world for i, k in enumerate(names)}
 
-    def broadcast_object(self, obj):
-        """Rank 0's `obj` on every rank (e.g. a run directory named after rank 0's clock)."""
+    def from_rank_zero(self, fn):
+        """`fn()`, called on rank 0 only, on every rank (e.g. the run directory rank 0 creates)."""
         if self.world == 1:
-            return obj
-        box = [obj]
+            return fn()
+        box = [fn() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 

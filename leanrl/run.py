@@ -1,5 +1,6 @@
 """What every run shares: its arguments and their checks, seeding, device and run directory."""
 
+import itertools
 import os
 import random
 import time
@@ -94,8 +95,17 @@ def restore_envs(envs, env_state, saved_obs, seed: int):
 
 
 def make_run_dir(args: RunArgs, env_id: str) -> str:
-    """`runs/<env>__<exp>__<seed>__<time>`, or the directory of the checkpoint being resumed."""
+    """`runs/<env>__<exp>__<seed>__<time>`, created here, or the directory of the checkpoint being resumed. Runs
+    that start in the same second with the same name (a sweep launched in parallel) each get a directory of their
+    own: `<time>-2`, `<time>-3`, ... (before, they shared one: interleaved metrics, one checkpoint)."""
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
-    name = f"{env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    return os.path.join(args.run_dir, name)
+    base = os.path.join(args.run_dir, f"{env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    os.makedirs(args.run_dir, exist_ok=True)
+    for n in itertools.count(1):
+        path = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(path)  # atomic: of two runs that pick the same name, one gets it
+            return path
+        except FileExistsError:
+            pass

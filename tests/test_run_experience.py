@@ -193,6 +193,19 @@ PLAN = ["--total-gpus", "8", "--gpu", "H100", "--params", "7e9", "--layers", "32
         "128", "--prompt-len", "512", "--length-median", "1000", "--length-cap", "8192", "--batch", "512"]
 
 
+def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
+    """A sweep launched in parallel: same env, experiment name, seed and second. They shared one directory."""
+    from leanrl.plot import run_identity
+
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.5)
+    args = leanrl.RunArgs(exp_name="sweep", run_dir=str(tmp_path / "runs"))
+    dirs = [leanrl.make_run_dir(args, "torch/CartPole-v1") for _ in range(3)]
+    name = "torch-CartPole-v1__sweep__1__1700000000"
+    assert [os.path.basename(d) for d in dirs] == [name, f"{name}-2", f"{name}-3"]
+    assert all(os.path.isdir(d) for d in dirs)
+    assert run_identity(dirs[2]) == ("torch-CartPole-v1", "sweep", 1)  # leanrl.plot groups it with its seeds
+
+
 def test_a_device_this_machine_lacks_is_one_line():
     with pytest.raises(leanrl.UsageError, match=r"^--device gpu: not a torch device \(auto, cpu, cuda, cuda:1, "):
         leanrl.resolve_device("gpu")
