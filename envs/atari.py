@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from leanrl.cli import missing_extra
+from leanrl.cli import missing_extra, require_extra
 from leanrl.gym_adapter import to_device
 
 try:
@@ -176,11 +176,8 @@ def _recording_vector_env(game: str, num_envs: int, video_folder, repeat_action_
                         ("stack_num", stack_num), ("img_height", img_height), ("img_width", img_width)):
         if type(value) is not int or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    try:
-        import cv2  # noqa: F401  (AtariPreprocessing resizes with it)
-        import moviepy  # noqa: F401  (RecordVideo writes with it)
-    except ImportError as e:
-        raise missing_extra("Atari with video_folder", e.name, "video") from e
+    require_extra("Atari with video_folder", "cv2", "video")  # AtariPreprocessing resizes with it
+    require_extra("Atari with video_folder", "moviepy", "video")  # RecordVideo writes with it
 
     def make(index: int) -> gym.Env:
         env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=repeat_action_probability,

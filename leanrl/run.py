@@ -71,9 +71,9 @@ def resolve_device(name: str) -> torch.device:
         raise UsageError(f"--device {name}: not a torch device (auto, cpu, cuda, cuda:1, ...)") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    count = torch.cuda.device_count()
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise UsageError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return device
 
 

@@ -189,10 +189,6 @@ def test_bad_numbers_name_their_flag(flag, value, rule):
         ppo.check_args(ppo.Args(**{flag: value}))
 
 
-PLAN = ["--total-gpus", "8", "--gpu", "H100", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim",
-        "128", "--prompt-len", "512", "--length-median", "1000", "--length-cap", "8192", "--batch", "512"]
-
-
 def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
     """A sweep launched in parallel: same env, experiment name, seed and second. They shared one directory."""
     from leanrl.plot import run_identity
@@ -214,6 +210,10 @@ def test_a_device_this_machine_lacks_is_one_line():
     with pytest.raises(leanrl.UsageError, match=f"^--device {lacking}: "
                        + ("CUDA is not available" if count == 0 else f"this machine has {count} CUDA device")):
         leanrl.resolve_device(lacking)
+
+
+PLAN = ["--total-gpus", "8", "--gpu", "H100", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim",
+        "128", "--prompt-len", "512", "--length-median", "1000", "--length-cap", "8192", "--batch", "512"]
 
 
 @pytest.mark.parametrize("script, flags, module, extra", [
