@@ -6,9 +6,11 @@ exp_name) form one curve: their mean against global_step, with the spread over s
         --metric losses/value_loss --spread minmax --smooth 5 --out value_loss.png
 """
 
+import difflib
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,13 +78,19 @@ def run_identity(run_dir: str) -> tuple[str, str, int]:
 
 
 def read_run(metrics_path: str, metric: str) -> Run:
-    rows = read_metrics(metrics_path)
-    points = [(row["global_step"], row[metric]) for row in rows if metric in row]
-    if not points:
-        present = sorted({key for row in rows for key in row} - {"global_step"})
-        raise UsageError(f"{metrics_path!r}: no row has {metric!r}; its metrics: {', '.join(present) or 'none'}")
-    steps, values = np.array(points, dtype=float).T
+    """The run's `metric` against global_step (empty if it logged none)."""
+    points = [(row["global_step"], row[metric]) for row in read_metrics(metrics_path) if metric in row]
+    steps, values = np.array(points, dtype=float).reshape(-1, 2).T
     return Run(metrics_path, *run_identity(os.path.dirname(os.path.abspath(metrics_path))), steps, values)
+
+
+def lacks(runs: list[Run], metric: str) -> str:
+    """Why none of `runs` can be drawn: the metrics they did log, and the one that `metric` likely misspells."""
+    present = sorted({key for run in runs for row in read_metrics(run.path) for key in row} - {"global_step"})
+    guess = [key for key in present if key.endswith("/" + metric)] or difflib.get_close_matches(metric, present, 1)
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    where, whose = (f"{runs[0].path!r}: no row", "its") if len(runs) == 1 else (f"no row of {len(runs)} runs", "their")
+    return f"{where} has {metric!r}{hint}; {whose} metrics: {', '.join(present) or 'none'}"
 
 
 def smoothed(run: Run, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -114,17 +122,22 @@ def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int 
     if smooth < 1:
         raise UsageError(f"smooth={smooth}: a window of at least 1 logged point")
     files = list(dict.fromkeys(os.path.realpath(f) for path in paths for f in find_metrics(path)))
-    runs, skipped = [], []
-    for f in files:  # a run that cannot be drawn (it logged no `metric`, or has no identity) is left out, and said
+    runs, lacking, unnamed = [], [], []  # unnamed: why a run has no identity
+    for f in files:
         try:
-            runs.append(read_run(f, metric))
+            run = read_run(f, metric)
         except UsageError as e:
-            skipped.append(str(e))
-    if not runs:
-        raise UsageError(skipped[0] if len(skipped) == 1 else f"none of {len(files)} runs can be drawn; the "
-                         f"first: {skipped[0]}")
-    for reason in skipped:
+            unnamed.append(str(e))
+            continue
+        (runs if run.values.size else lacking).append(run)
+    for reason in unnamed:
         print(f"leanrl.plot: left out {reason}", file=sys.stderr)
+    if not runs:
+        raise UsageError(lacks(lacking, metric) if lacking else unnamed[0])
+    if lacking:  # one line for them all: a sweep's runs without an evaluation would each list every metric
+        experiments = Counter(f"{run.exp_name} ({run.env_id})" for run in lacking)
+        print(f"leanrl.plot: left out {len(lacking)} run{'s' * (len(lacking) > 1)} that logged no {metric!r}: "
+              + ", ".join(f"{n} of {experiment}" for experiment, n in experiments.items()), file=sys.stderr)
     groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         # run names lose the '/' of env ids: a run without config.json still joins its experiment

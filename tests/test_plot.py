@@ -93,12 +93,19 @@ def test_a_final_evaluation_row_at_the_last_step_keeps_that_steps_return(tmp_pat
 
 def test_a_folder_with_a_run_that_cannot_be_drawn_draws_the_others_and_says_so(runs, capsys):
     write_run(runs, "toy-Env-v0__a__3__1700000300", [{"global_step": 0, "losses/x": 1.0}])
+    write_run(runs, "toy-Env-v0__a__4__1700000400", [{"global_step": 0, "losses/x": 1.0}])
+    write_run(runs, "toy-Env-v0__c__1__1700000500", [{"global_step": 0, "losses/z": 1.0}])
+    write_run(runs, "my_run", [{"global_step": 0, METRIC: 1.0}])
     a, b = plot.load_curves([str(runs)], METRIC)
     assert a.seeds == [1, 2] and b.seeds == [7]
-    assert re.fullmatch(r"leanrl.plot: left out '.*a__3__1700000300/metrics.jsonl': no row has "
-                        r"'charts/episodic_return'; its metrics: losses/x\n", capsys.readouterr().err)
-    with pytest.raises(ValueError, match=r"none of 4 runs can be drawn; the first: .*no row has 'losses/y'"):
-        plot.load_curves([str(runs)], "losses/y")
+    # a run that has no identity on a line of its own; the runs without the metric in one line, by experiment
+    assert re.fullmatch(r"leanrl.plot: left out '.*my_run': no env_id, exp_name, seed in a config.json .*\n"
+                        r"leanrl.plot: left out 3 runs that logged no 'charts/episodic_return': "
+                        r"2 of a \(toy-Env-v0\), 1 of c \(toy-Env-v0\)\n",
+                        capsys.readouterr().err)
+    with pytest.raises(ValueError, match=r"no row of 6 runs has 'losses/xx' \(did you mean 'losses/x'\?\); their "
+                                         r"metrics: charts/episodic_return, losses/x, losses/z$"):
+        plot.load_curves([str(runs)], "losses/xx")
 
 
 def test_plot_runs_writes_a_png(runs, tmp_path):
@@ -121,7 +128,7 @@ def test_command_line(runs, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run([sys.executable, "-m", "leanrl.plot", str(runs), "--metric", "losses/y"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "no row has 'losses/y'" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "no row of 3 runs has 'losses/y'" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
@@ -133,9 +140,12 @@ def test_errors_name_the_input(runs, tmp_path):
         plot.load_curves([str(tmp_path / "empty")], METRIC)
     with pytest.raises(ValueError, match="no metrics.jsonl found there \\(no such file or directory\\)"):
         plot.load_curves([str(tmp_path / "missing")], METRIC)
-    with pytest.raises(ValueError, match=r"a__1__1700000000/metrics.jsonl'?: no row has 'losses/y'; its metrics: "
+    with pytest.raises(ValueError, match=r"a__1__1700000000/metrics.jsonl'?: no row has 'perf/y'; its metrics: "
                                          r"charts/episodic_return, losses/x$"):
-        plot.load_curves([str(runs / "toy-Env-v0__a__1__1700000000")], "losses/y")
+        plot.load_curves([str(runs / "toy-Env-v0__a__1__1700000000")], "perf/y")
+    for typo in ("episodic_return", "charts/episodic_retrun"):
+        with pytest.raises(ValueError, match=f"no row has '{typo}' \\(did you mean 'charts/episodic_return'\\?\\)"):
+            plot.load_curves([str(runs / "toy-Env-v0__a__1__1700000000")], typo)
     write_run(tmp_path, "my_run", [{"global_step": 0, METRIC: 1.0}])
     with pytest.raises(ValueError, match="my_run'?: no env_id, exp_name, seed in a config.json"):
         plot.load_curves([str(tmp_path / "my_run")], METRIC)
