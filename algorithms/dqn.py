@@ -25,7 +25,8 @@ from tensordict import from_module
 from torch.func import functional_call
 
 import leanrl
-from leanrl.offpolicy import burn_in, check_envs, check_replay_args, make_replay_buffer, start, store
+from leanrl.offpolicy import (burn_in, check_envs, check_replay_args, make_replay_buffer, open_eval_envs, start,
+                              store)
 
 
 @dataclass
@@ -65,9 +66,12 @@ class Args(leanrl.RunArgs):
     so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with the
     restored policy and updates again after learning_starts new steps"""
     eval_every: int = 0
-    """run an evaluation (charts/eval_return) every this many env steps (0: never)"""
+    """run an evaluation (charts/eval_return) every this many env steps, and at the end (0: never)"""
     eval_episodes: int = 10
     """episodes per evaluation (one per env of the evaluation env)"""
+    capture_video: bool = False
+    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
+    even without --eval-every; resuming a finished run with it records the trained agent)"""
     eval_epsilon: float = 0.0
     """epsilon of the evaluation policy (0: greedy, deterministic; CleanRL's Atari evaluation uses 0.05)"""
     log_every: int = 1000
@@ -253,17 +257,24 @@ class DQN:
         self.step.fill_(state["global_step"])
 
 
-def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
+def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None):
     """Run DQN to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
-    `leanrl.offpolicy.Run` (learner, buffer, counters). `on_iteration(iteration, global_step)`, when given, is
-    called after every iteration (the benchmarks time the loop with it)."""
+    `leanrl.offpolicy.Run` (learner, buffer, counters). `make_eval_envs(video_folder=...)` builds the
+    `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first one records its episodes, with
+    --capture-video; else None). `on_iteration(iteration, global_step)`, when given, is called after every iteration
+    (the benchmarks time the loop with it)."""
     num_iterations = check_args(args)
-    check_envs("DQN", args, envs, eval_envs)
+    check_envs("DQN", args, envs, make_eval_envs)
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     dqn = DQN(args, envs, device)
     rb = make_replay_buffer(args.buffer_size, args.batch_size, args.buffer_device or device)
     run, ckpt_path = start(dqn, rb, args, envs)
+    eval_envs = open_eval_envs(args, make_eval_envs, os.path.dirname(ckpt_path))
+
+    def evaluate():  # from the same start states every time
+        return leanrl.evaluate(dqn.eval_policy, eval_envs, args.seed + 10_000)
+
     # The SPS clock starts once both functions have been compiled and captured: WARMUP + 1 updates.
     logger = leanrl.Logger.from_args(
         args, os.path.dirname(ckpt_path), args.total_timesteps, checkpoint=ckpt_path, start_step=run.global_step,
@@ -288,9 +299,9 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                 if leanrl.crossings(before, run.global_step, args.target_network_frequency):
                     dqn.target.lerp_(dqn.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
 
-            if args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every):
-                eval_return = leanrl.evaluate(dqn.eval_policy, eval_envs, args.seed + 10_000)
-                logger.record({"charts/eval_return": eval_return})
+            if (args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every)
+                    and iteration < num_iterations):
+                logger.record({"charts/eval_return": evaluate()})
             logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
             logger.end_iteration(run.global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
@@ -302,6 +313,10 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                 leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
             if on_iteration is not None:
                 on_iteration(iteration, run.global_step)
+        if eval_envs is not None:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": evaluate()})
+            logger.flush()
+            eval_envs.close()
         leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
         run.logged = logger.last
     return run

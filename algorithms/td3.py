@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 import leanrl
 from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, make_replay_buffer,
-                              make_twin_q, start, store)
+                              make_twin_q, open_eval_envs, start, store)
 
 
 @dataclass
@@ -61,9 +61,12 @@ class Args(leanrl.RunArgs):
     default, so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with
     the restored policy and updates again after learning_starts new steps"""
     eval_every: int = 0
-    """run a deterministic evaluation (charts/eval_return) every this many env steps (0: never)"""
+    """run a deterministic evaluation (charts/eval_return) every this many env steps, and at the end (0: never)"""
     eval_episodes: int = 10
     """episodes per evaluation (one per env of the evaluation env)"""
+    capture_video: bool = False
+    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
+    even without --eval-every; resuming a finished run with it records the trained agent)"""
     log_every: int = 1000
     """read metrics to the host every this many iterations (vector env steps)"""
     checkpoint_every: int = 50_000
@@ -244,18 +247,25 @@ class TD3:
         leanrl.load_optimizer_state(self.actor_optimizer, state["actor_optimizer"])
 
 
-def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
+def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None):
     """Run TD3 to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
-    `leanrl.offpolicy.Run` (learner, buffer, counters). `on_iteration(iteration, global_step)`, when given, is
-    called after every iteration (the benchmarks time the loop with it)."""
+    `leanrl.offpolicy.Run` (learner, buffer, counters). `make_eval_envs(video_folder=...)` builds the
+    `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first one records its episodes, with
+    --capture-video; else None). `on_iteration(iteration, global_step)`, when given, is called after every iteration
+    (the benchmarks time the loop with it)."""
     num_iterations = check_args(args)
-    check_envs("TD3", args, envs, eval_envs)
+    check_envs("TD3", args, envs, make_eval_envs)
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     td3 = TD3(args, envs, device)
     # No schedule depends on the horizon: a resumed run may go on longer.
     run, ckpt_path = start(td3, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs,
                            may_change=("learning_starts", "total_timesteps"))
+    eval_envs = open_eval_envs(args, make_eval_envs, os.path.dirname(ckpt_path))
+
+    def evaluate():  # from the same start states every time
+        return leanrl.evaluate(td3.eval_policy, eval_envs, args.seed + 10_000)
+
     # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
     logger = leanrl.Logger.from_args(args, os.path.dirname(ckpt_path), args.total_timesteps,
                                      start_step=run.global_step, checkpoint=ckpt_path,
@@ -279,9 +289,9 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                 if iteration % args.policy_frequency == 0:  # the delay: actor and targets move less often
                     actor_out = td3.update_actor(data["obs"])
 
-            if args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every):
-                eval_return = leanrl.evaluate(td3.eval_policy, eval_envs, args.seed + 10_000)
-                logger.record({"charts/eval_return": eval_return})
+            if (args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every)
+                    and iteration < num_iterations):
+                logger.record({"charts/eval_return": evaluate()})
             logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
             logger.end_iteration(run.global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
@@ -293,6 +303,10 @@ def train(args: Args, envs, device=None, eval_envs=None, on_iteration=None):
                 leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
             if on_iteration is not None:
                 on_iteration(iteration, run.global_step)
+        if eval_envs is not None:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": evaluate()})
+            logger.flush()
+            eval_envs.close()
         leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
         run.logged = logger.last
     return run

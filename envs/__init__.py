@@ -12,7 +12,7 @@ import re
 import gymnasium
 import torch
 
-from leanrl.cli import UsageError
+from leanrl.cli import UsageError, require_extra
 
 SUPPORTED = (
     "Atari: 'ALE/<Game>-v5' or '<Game>NoFrameskip-v4', e.g. 'ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'; "
@@ -21,21 +21,28 @@ SUPPORTED = (
 )
 
 
+def check_recordable(env_id: str) -> None:
+    """That `env_id` can be filmed (`video_folder`; a script's --capture-video checks it before building anything):
+    the torch envs do not render, and gymnasium's RecordVideo writes with moviepy (the `video` extra)."""
+    if env_id.startswith("torch/"):
+        raise UsageError(f"{env_id!r} steps in torch and does not render, so it cannot record videos: use the "
+                         f"gymnasium id {env_id.removeprefix('torch/')!r} (--env-id)")
+    require_extra("recording videos", "moviepy", "video")
+
+
 def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_folder=None, **kwargs):
     """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). kwargs go to the family:
     Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
     gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state).
     `video_folder` (a folder, made if missing): sub-env 0 renders rgb_array frames and gymnasium's RecordVideo
-    writes every one of its episodes there as an mp4; nothing else changes (the same observations, rewards and
+    writes every one of its episodes that ends there as an mp4; nothing else changes (the same observations, rewards and
     episode statistics for the same seed). Atari then runs on gymnasium's ALE envs (AtariVectorEnv cannot
     render: see envs/atari.py); the torch/ envs do not render."""
     device = torch.device(device)
     if video_folder is not None:
         if not isinstance(video_folder, (str, os.PathLike)):
             raise TypeError(f"video_folder must be a path (str or os.PathLike), got {type(video_folder).__name__}")
-        if env_id.startswith("torch/"):
-            raise UsageError(f"{env_id!r} steps in torch and does not render, so it cannot record to video_folder: "
-                             f"use the gymnasium id {env_id.removeprefix('torch/')!r} to record videos")
+        check_recordable(env_id)
         kwargs["video_folder"] = video_folder
     if env_id.startswith("torch/"):
         from .torch_envs import TORCH_ENVS

@@ -7,7 +7,7 @@ the whole game (all lives), like CleanRL's EpisodicLifeEnv + RecordEpisodeStatis
 
 With `video_folder` (AtariVectorEnv cannot render) the same preprocessing is built from gymnasium's
 ALE envs in a SyncVectorEnv with SAME_STEP autoreset: `ALE/<Game>-v5` with frameskip=1, then gymnasium's
-RecordVideo on sub-env 0 (every episode; every frame the emulator draws, in full colour, at 60 fps: real
+RecordVideo on sub-env 0 (every episode that ends; every frame the emulator draws, in full colour, at 60 fps: real
 time), then `_LikeAtariVectorEnv` (AtariVectorEnv's reset: its seeding, one FIRE frame where the game has
 FIRE, then uniform 0..noop_max-1 NOOP frames, one fewer after FIRE; its truncation after
 `max_num_frames_per_episode` frames of play), `AtariPreprocessing(noop_max=0, frame_skip=4, screen_size=84,
@@ -30,6 +30,8 @@ from tensordict import TensorDict
 
 from leanrl.cli import missing_extra, require_extra
 from leanrl.gym_adapter import to_device
+
+from .gym import RecordEndedEpisodes
 
 try:
     from ale_py import roms
@@ -177,14 +179,13 @@ def _recording_vector_env(game: str, num_envs: int, video_folder, repeat_action_
         if type(value) is not int or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     require_extra("Atari with video_folder", "cv2", "video")  # AtariPreprocessing resizes with it
-    require_extra("Atari with video_folder", "moviepy", "video")  # RecordVideo writes with it
 
     def make(index: int) -> gym.Env:
         env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=repeat_action_probability,
                        full_action_space=full_action_space, max_num_frames_per_episode=None,  # truncation below
                        obs_type="grayscale" if grayscale else "rgb", render_mode="rgb_array" if index == 0 else None)
         if index == 0:  # every frame the emulator draws, in colour; the Atari runs at 60 frames a second
-            env = gym.wrappers.RecordVideo(env, str(video_folder), episode_trigger=lambda episode: True, fps=60)
+            env = RecordEndedEpisodes(env, video_folder, fps=60)
         env = _LikeAtariVectorEnv(env, noop_max, use_fire_reset, max_num_frames_per_episode)
         env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=frameskip,
                                               screen_size=(img_width, img_height), terminal_on_life_loss=False,

@@ -5,13 +5,16 @@ actions, observations normalized and clipped to [-10, 10], rewards normalized an
 Statistics are shared by all sub-envs, and saved in checkpoints. Discrete-action ids get only the episode statistics.
 
 With `video_folder`, sub-env 0 is made with render_mode="rgb_array" and wrapped in gymnasium's RecordVideo, which
-writes every one of its episodes there as an mp4 (moviepy); the other sub-envs do not render, and rendering changes
-no number. Classic control renders with pygame; MuJoCo with OpenGL: on a Linux machine without a display
+writes every one of its episodes that ends there as an mp4 (moviepy; see `RecordEndedEpisodes`); the other sub-envs
+do not render, and rendering changes no number. Classic control renders with pygame (the `video` extra has it);
+MuJoCo with OpenGL: on a Linux machine without a display
 MUJOCO_GL defaults to "egl" here (gymnasium would try GLFW, which fails there and does not fall back), unless
 MUJOCO_GL or PYOPENGL_PLATFORM is set. If nothing can render, make_env says so at once.
 """
 import os
+import re
 import sys
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -20,7 +23,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
-from leanrl.cli import MissingExtra, missing_extra, require_extra
+from leanrl.cli import MissingExtra, missing_extra
 from leanrl.gym_adapter import TorchVectorEnv
 
 
@@ -95,6 +98,35 @@ class GymEnv(TorchVectorEnv):
             self.reward_norm.accumulated_reward[:] = sd["accumulated_reward"].numpy()
 
 
+class RecordEndedEpisodes(gym.wrappers.RecordVideo):
+    """gymnasium's RecordVideo of every episode, less those cut short, numbered on from the videos already in the
+    folder (a resumed run's follow its earlier ones instead of overwriting them). A seeded reset (the start of an
+    evaluation) or close() drops the episode being recorded: the one the vector env's autoreset began after the
+    last episode of an evaluation ended, which RecordVideo saved as a 1-frame mp4. Autoresets pass no seed."""
+
+    def __init__(self, env, video_folder, **kwargs):
+        with warnings.catch_warnings():  # its warning that a folder which exists is overwritten: not here
+            warnings.filterwarnings("ignore", ".*Overwriting existing videos")
+            super().__init__(env, str(video_folder), episode_trigger=lambda episode: True, **kwargs)
+        filmed = (re.fullmatch(rf"{re.escape(self.name_prefix)}-episode-(\d+)\.mp4", name)
+                  for name in os.listdir(self.video_folder))
+        self.episode_id = max((int(m[1]) for m in filmed if m), default=-1)  # the next reset's is one more
+
+    def drop_recording(self):
+        if self.recording:
+            self.recorded_frames, self.recording = [], False
+            self.episode_id -= 1  # its number goes to the next episode: the videos stay numbered 0, 1, 2, ...
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            self.drop_recording()
+        return super().reset(seed=seed, options=options)
+
+    def close(self):
+        self.drop_recording()
+        super().close()
+
+
 def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs: dict) -> SyncVectorEnv:
     """What gym.make_vec(vectorization_mode="sync", SAME_STEP) builds, with sub-env 0 rendering into RecordVideo."""
     if "render_mode" in make_kwargs:
@@ -102,7 +134,6 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
                          "video_folder sets it for sub-env 0")
     if os.path.isfile(video_folder):
         raise ValueError(f"video_folder {str(video_folder)!r} is a file, not a folder")
-    require_extra("video_folder", "moviepy", "video")  # gymnasium's RecordVideo writes with it
     is_mujoco = "mujoco" in str(gym.spec(env_id).entry_point)
     headless = not any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "PYOPENGL_PLATFORM"))
     if is_mujoco and sys.platform.startswith("linux") and headless:
@@ -115,8 +146,9 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
             raise gym.error.DependencyNotInstalled(str(e)) from e
         os.environ.setdefault("MUJOCO_GL", "egl")
     first = gym.make(env_id, render_mode="rgb_array", **make_kwargs)
-    try:  # fail here, not at the first reset: one frame of the freshly made env (no reset, no random numbers drawn)
-        first.unwrapped.render()  # classic control draws nothing before a reset, but imports pygame
+    try:  # fail here, not at the first step: one frame after a reset (the run's seeded reset comes after it and sets
+        first.unwrapped.reset(seed=0)  # every state and random generator again); Pendulum has no state before one
+        first.unwrapped.render()
     except gym.error.DependencyNotInstalled as e:
         first.close()
         raise MissingExtra(f"{env_id} cannot render for video_folder: {e}") from e
@@ -125,6 +157,6 @@ def _recording_vector_env(env_id: str, num_envs: int, video_folder, make_kwargs:
         how = (f" (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}; headless Linux needs EGL, e.g. apt-get install libegl1, "
                "or OSMesa with MUJOCO_GL=osmesa)" if is_mujoco else "")
         raise RuntimeError(f"{env_id} cannot render for video_folder{how}: {type(e).__name__}: {e}") from e
-    first = gym.wrappers.RecordVideo(first, str(video_folder), episode_trigger=lambda episode: True)
+    first = RecordEndedEpisodes(first, video_folder)
     return SyncVectorEnv([lambda: first] + [lambda: gym.make(env_id, **make_kwargs)] * (num_envs - 1),
                          autoreset_mode=AutoresetMode.SAME_STEP)

@@ -5,6 +5,7 @@ Logger's burn-in for a run that compiles only once learning starts, the vmapped 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -40,12 +41,21 @@ def check_replay_args(args, learning_rates=("learning_rate",)) -> int:
     return args.total_timesteps // args.num_envs
 
 
-def check_envs(algo: str, args, envs, eval_envs):
-    """The env matches the arguments, and an evaluation has an env to run in."""
+def check_envs(algo: str, args, envs, make_eval_envs):
+    """The env matches the arguments, and an evaluation has envs to run in."""
     if envs.num_envs != args.num_envs:
         raise leanrl.UsageError(f"envs has {envs.num_envs} environments, args.num_envs = {args.num_envs}")
-    if args.eval_every and eval_envs is None:
-        raise leanrl.UsageError(f"{algo}: eval_every > 0 needs an evaluation env (eval_envs)")
+    if (args.eval_every or args.capture_video) and make_eval_envs is None:
+        raise leanrl.UsageError(f"{algo}: --eval-every / --capture-video need evaluation envs: train() was given no "
+                                "make_eval_envs")
+
+
+def open_eval_envs(args, make_eval_envs, run_dir: str):
+    """The envs evaluations run in, or None when the run does not evaluate. With --capture-video the first one films
+    its episodes into `<run_dir>/videos`."""
+    if not (args.eval_every or args.capture_video):
+        return None
+    return make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
 
 
 def check_box_spaces(algo: str, observation_space, action_space):
@@ -208,15 +218,16 @@ def make_envs(args, num_envs: int, device, seed: int, raw: bool = False, **env_k
 
 def main(algorithm, args, **env_kwargs):
     """A script's `main`: check `args` (before anything is built), build the envs (see `make_envs`, with
-    `env_kwargs`) and an evaluation env when evaluations are due, train with `algorithm.train`, close them."""
+    `env_kwargs`), train with `algorithm.train`, which builds its evaluation envs with the same kwargs, close them."""
+    from leanrl.envs import check_recordable
+
     algorithm.check_args(args)
+    if args.capture_video:
+        check_recordable(args.env_id)
     device = leanrl.resolve_device(args.device)
     envs = make_envs(args, args.num_envs, device, args.seed, **env_kwargs)
-    eval_envs = (make_envs(args, args.eval_episodes, device, args.seed + 10_000, **env_kwargs)
-                 if args.eval_every else None)
+    make_eval_envs = functools.partial(make_envs, args, args.eval_episodes, device, args.seed + 10_000, **env_kwargs)
     try:
-        return algorithm.train(args, envs, device, eval_envs)
+        return algorithm.train(args, envs, device, make_eval_envs)
     finally:
         envs.close()
-        if eval_envs is not None:
-            eval_envs.close()

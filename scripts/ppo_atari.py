@@ -7,7 +7,7 @@ import tyro
 
 import leanrl
 from leanrl.algorithms import ppo, ppo_async
-from leanrl.envs import make_env
+from leanrl.envs import check_recordable, make_env
 
 
 @dataclass
@@ -24,6 +24,8 @@ if __name__ == "__main__":
     with leanrl.clean_exit():
         args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
         ppo_async.check_args(args)
+        if args.capture_video:  # before anything is built
+            check_recordable(args.env_id)
         device = leanrl.resolve_device(args.device)
         make_envs = functools.partial(make_env, args.env_id, args.num_envs, sticky_actions=args.sticky_actions)
         make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,

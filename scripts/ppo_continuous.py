@@ -6,7 +6,7 @@ import tyro
 
 import leanrl
 from leanrl.algorithms import ppo, ppo_async
-from leanrl.envs import make_env
+from leanrl.envs import check_recordable, make_env
 
 DEFAULTS = ppo_async.Args(exp_name="ppo_continuous", env_id="HalfCheetah-v5", total_timesteps=1_000_000,
                           learning_rate=3e-4, num_envs=1, num_steps=2048, num_minibatches=32, update_epochs=10,
@@ -16,6 +16,8 @@ if __name__ == "__main__":
     with leanrl.clean_exit():
         args = tyro.cli(ppo_async.Args, default=DEFAULTS, description=__doc__)
         ppo_async.check_args(args)
+        if args.capture_video:  # before anything is built
+            check_recordable(args.env_id)
         device = leanrl.resolve_device(args.device)
         # gamma also discounts the reward normalizer's returns
         make_envs = functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma)

@@ -271,9 +271,25 @@ def test_atari_video_records_sub_env_0_and_matches_ale_vector_env(tmp_path):
     frames, size, colour = _video_frames(folder / "rl-video-episode-0.mp4")
     # every emulator frame of the episode: 4 a step (fewer in the last), plus the reset's FIRE and up to 29 noops
     assert 4 * length - 2 <= frames <= 4 * length + 32 and size == (160, 210) and colour
-    env.close()  # writes the episode under way, which is sub-env 0's only
-    assert sorted(p.name for p in folder.iterdir()) == ["rl-video-episode-0.mp4", "rl-video-episode-1.mp4"]
-    assert all(p.stat().st_size > 0 for p in folder.iterdir())
+    env.close()  # drops the episode under way: it did not end
+    assert [p.name for p in folder.iterdir()] == ["rl-video-episode-0.mp4"]
+
+
+def test_a_video_keeps_only_the_episodes_that_end(tmp_path):
+    """The episode that autoreset begins after an evaluation's last one is cut by the next evaluation's seeded
+    reset, or by close(): no video of it (RecordVideo wrote a 1-frame mp4 for each)."""
+    pytest.importorskip("pygame")
+    folder = tmp_path / "videos"
+    env = make_env("CartPole-v1", 2, video_folder=folder)
+    for seed in (1, 2):  # two evaluations
+        env.reset(seed=seed)
+        while not env.step(torch.zeros(2, dtype=torch.long))["episode_length"][0]:  # always left: it falls
+            pass
+        env.step(torch.zeros(2, dtype=torch.long))  # sub-env 0 goes on into the next episode
+    env.close()
+    videos = sorted(folder.iterdir())
+    assert [p.name for p in videos] == ["rl-video-episode-0.mp4", "rl-video-episode-1.mp4"]
+    assert all(_video_frames(p)[0] > 5 for p in videos)
 
 
 def test_mujoco_video_records_every_episode_and_changes_no_number(tmp_path, monkeypatch):

@@ -378,8 +378,9 @@ def test_continuous_env_given_to_dqn_is_a_clear_error():
 
 
 def test_eval_every_without_an_eval_env_is_a_clear_error():
-    with pytest.raises(ValueError, match="needs an evaluation env"):
-        td3.train(small(td3, eval_every=100), FakeEnv(), "cpu")
+    for flag in ("eval_every", "capture_video"):
+        with pytest.raises(ValueError, match="TD3: --eval-every / --capture-video need evaluation envs: train"):
+            td3.train(small(td3, **{flag: 100 if flag == "eval_every" else True}), FakeEnv(), "cpu")
 
 
 def test_sps_clock_restarts_once_the_update_functions_are_compiled(tmp_path):

@@ -247,6 +247,7 @@ def test_ppo_evaluates_every_n_steps_and_at_the_end(tmp_path):
 
 
 def test_capture_video_films_the_evaluation(tmp_path):
+    """PPO on Atari: the evaluation at the end is filmed (TD3, SAC and DQN: the next test)."""
     pytest.importorskip("ale_py")
     pytest.importorskip("moviepy")
     proc = run_script("ppo_atari.py", ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1",
@@ -258,3 +259,30 @@ def test_capture_video_films_the_evaluation(tmp_path):
     assert videos and all(os.path.getsize(v) > 1000 for v in videos)
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert "charts/eval_return" in rows[-1]
+
+
+
+def test_off_policy_capture_video_films_every_evaluation_and_a_finished_run(tmp_path):
+    """TD3 on Pendulum-v1 (pygame draws it): one whole episode filmed per evaluation, at 100 steps and at the end;
+    resumed once finished, with --capture-video, the run films its trained agent again without training."""
+    pytest.importorskip("pygame")
+    pytest.importorskip("moviepy")
+    flags = ["--env-id", "Pendulum-v1", "--total-timesteps", "200", "--learning-starts", "100", "--eval-every",
+             "100", "--eval-episodes", "2", "--capture-video", "--log-every", "50", "--checkpoint-every", "0"]
+    proc = run_script("td3_continuous.py", flags, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run, checkpoint = only_run(tmp_path)
+    assert len(glob.glob(f"{run}/videos/*.mp4")) == 2  # no 1-frame video of the episode an evaluation's end began
+    proc = run_script("td3_continuous.py", flags + ["--resume", checkpoint], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(glob.glob(f"{run}/videos/*.mp4")) == 3 and "Overwriting existing videos" not in proc.stderr
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["global_step"] for r in rows if "charts/eval_return" in r] == [100, 200, 200]
+
+
+@pytest.mark.parametrize("script", ["ppo_cartpole.py", "dqn_cartpole.py"])
+def test_capture_video_of_a_torch_env_is_one_line_before_anything_is_built(script, tmp_path):
+    proc = run_script(script, ["--capture-video"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: 'torch/CartPole-v1' steps in torch and does "
+                                                           "not render"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and os.listdir(tmp_path) == []
