@@ -29,8 +29,8 @@ def check_args(args: Args) -> tuple[int, int, int]:
     """Fail on settings that cannot work, before any environment is built or anything compiled."""
     sizes = ppo.check_args(args)
     if args.async_ and (args.eval_every or args.capture_video):
-        raise leanrl.UsageError("--eval-every / --capture-video evaluate in the synchronous loop: the async trainer "
-                                "owns no env (evaluate the checkpoint with the same flags without --async)")
+        raise leanrl.UsageError("--eval-every / --capture-video evaluate in the synchronous loop only: the async "
+                                "trainer owns no env (its collectors do, each with observation statistics of its own)")
     if args.async_:
         leanrl.pipeline.check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic,
                                        args.publish_every)

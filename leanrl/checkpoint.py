@@ -75,7 +75,7 @@ def check_resumable(path: str, state: dict, args, may_change=()) -> None:
                if k not in HARMLESS_FLAGS | set(may_change) and now.get(k) != saved.get(k)]
     if not changed:
         return
-    diffs = "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    diffs = "; ".join(f"--{k.strip('_').replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
     if saved.get("exp_name") != now.get("exp_name"):
         raise CheckpointError(f"--resume {path}: a checkpoint of another script or experiment "
                               f"({saved.get('exp_name')!r} on {saved.get('env_id')!r}), not of {now.get('exp_name')!r} "

@@ -91,10 +91,11 @@ def copy_checkpoint(finished_cartpole, tmp_path):
 def test_resume_refuses_a_breaking_flag_and_accepts_a_harmless_one(finished_cartpole, tmp_path):
     path = copy_checkpoint(finished_cartpole, tmp_path)
     proc = run_script("ppo_cartpole.py", CARTPOLE[:1] + ["4"] + CARTPOLE[2:] +
-                      ["--total-timesteps", "2048", "--resume", str(path)], tmp_path)
+                      ["--total-timesteps", "2048", "--async", "--resume", str(path)], tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = proc.stderr.strip().splitlines()
     assert "--num-envs 8 -> 4" in line and "--total-timesteps 1024 -> 2048" in line and "config.json" in line
+    assert "--async False -> True" in line  # the flag as typed (the field is async_)
     proc = run_script("ppo_cartpole.py", CARTPOLE + ["--total-timesteps", "1024", "--log-every", "3", "--compile",
                                                      "--resume", str(path)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
