@@ -105,6 +105,12 @@ class Args(leanrl.RunArgs):
     """sequences per warm-start step"""
     sft_learning_rate: float = 3e-3
     """Adam learning rate of the warm start"""
+    eval_every: int = 0
+    """every this many iterations, and at the end, the held-out solve rate (charts/eval_solve_rate): the same
+    --eval-prompts problems each time, from a stream of their own (not the training one), group_size completions
+    each, sampled as in training (0: never; sync runs)"""
+    eval_prompts: int = 64
+    """held-out prompts per evaluation"""
 
 
 # ---------------------------------------------------------------------------- the math
@@ -401,6 +407,16 @@ class PromptStream:
         return index, encode(self.tokenizer, self.task.problem(index, self.seed).prompt)
 
 
+HELD_OUT_SEED = -1000  # the problems evaluations draw; training draws with --seed
+
+
+def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size: int) -> float:
+    """Mean score of `group_size` completions of each of the first `len(batch) // group_size` held-out problems
+    (the same ones at every call), sampled by `sampler` into `batch`. Reads the scores on the host."""
+    sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED), group_size=group_size, carry_over=False)
+    return float(score(task, tokenizer, batch.cpu(), HELD_OUT_SEED).mean())
+
+
 def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
     """The verifier on every completion of a batch copied to the host (it reads text); a completion cut at
     max_len scores 0. Returns rewards [B] (float32, on the host)."""
@@ -481,8 +497,8 @@ def check_args(args: Args, world: int = 1):
     each of which samples and trains on its own 1/world of every batch."""
     leanrl.check_flags(args, positive=("num_prompts", "max_len", "max_prompt_len", "num_slots", "learning_rate",
                                        "update_epochs", "num_minibatches", "micro_batch", "max_grad_norm", "is_clip",
-                                       "sft_batch", "sft_learning_rate"),
-                       non_negative=("clip_low", "clip_high", "kl_coef", "sft_steps", "top_k"),
+                                       "sft_batch", "sft_learning_rate", "eval_prompts"),
+                       non_negative=("clip_low", "clip_high", "kl_coef", "sft_steps", "top_k", "eval_every"),
                        unit_interval=("top_p",))
     B = args.num_prompts * args.group_size
     if args.num_prompts % world:
@@ -593,6 +609,12 @@ def train(args: Args) -> dict:
     def state():
         return dict(learner_state(learner), iteration=iteration, next_prompt=prompts.next_index)
 
+    if args.eval_every and rank == 0:  # the other ranks go on to the next batch's gradient sum, and wait there
+        eval_batch = sampler.make_batch(args.eval_prompts * args.group_size)
+
+    def evaluate():
+        return held_out_solve_rate(sampler, task, tokenizer, eval_batch, args.group_size)
+
     logger, interrupt = rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path, state)
     with logger, interrupt:
         while iteration < num_iterations:
@@ -615,10 +637,15 @@ def train(args: Args) -> dict:
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
             logger.end_iteration(iteration * B)
+            if rank == 0 and args.eval_every and iteration % args.eval_every == 0 and iteration < num_iterations:
+                logger.record({"charts/eval_solve_rate": evaluate()})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(checkpoint_path, state(), args)
+        if rank == 0 and args.eval_every:  # the trained policy, also when a finished run is resumed only to evaluate
+            logger.record({"charts/eval_solve_rate": evaluate()})
+            logger.flush()
         if rank == 0:
             leanrl.save_checkpoint(checkpoint_path, state(), args)
     data_parallel.close()

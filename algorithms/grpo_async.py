@@ -43,6 +43,9 @@ class Args(grpo.Args, AsyncArgs):
 def check_args(args: Args):
     # Under torchrun with threads/processes, the ranks are data-parallel trainers; with distributed, collectors.
     grpo.check_args(args, 1 if args.transport == "distributed" else DataParallel.torchrun_world())
+    if args.async_ and args.eval_every:
+        raise leanrl.UsageError("--eval-every evaluates in the synchronous loop only: the async trainer owns no "
+                                "sampler")
     check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
 
 

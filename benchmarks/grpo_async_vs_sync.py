@@ -76,9 +76,7 @@ def held_out_solve_rate(args, state, num_prompts=64, seeds=(123,)) -> float:
     for seed in seeds:
         sampler = grpo.make_sampler(model, tokenizer, args, seed=seed)
         batch = sampler.make_batch(num_prompts * args.group_size)
-        sampler.fill(batch, grpo.PromptStream(task, tokenizer, seed=-1000), group_size=args.group_size,
-                     carry_over=False)
-        rates.append(float(grpo.score(task, tokenizer, batch.cpu(), -1000).mean()))
+        rates.append(grpo.held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size))
     return statistics.mean(rates)
 
 

@@ -16,7 +16,8 @@ from leanrl.cli import UsageError, raise_on_sigterm
 # Flags a resumed run may change: they decide how a run is watched, saved or accelerated, not what it computes.
 HARMLESS_FLAGS = frozenset({
     "resume", "run_dir", "log_every", "checkpoint_every", "progress", "track", "wandb_project_name", "wandb_entity",
-    "wandb_mode", "device", "compile", "cudagraphs", "eval_every", "eval_episodes", "capture_video", "save_buffer",
+    "wandb_mode", "device", "compile", "cudagraphs", "eval_every", "eval_episodes", "eval_prompts", "capture_video",
+    "save_buffer",
 })
 
 

@@ -300,6 +300,7 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
     (dict(temperature=0.0), "--temperature 0.0"),
     (dict(total_timesteps=10), "less than one batch"),
     (dict(max_len=8), "--max-prompt-len 32: must be below --max-len 8"),
+    (dict(eval_prompts=0), "--eval-prompts 0: must be > 0"),
 ])
 def test_bad_settings_fail_before_anything_is_built(kw, message, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -320,6 +321,8 @@ def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
     with pytest.raises(ValueError, match=r"--max-lag -1"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
+    with pytest.raises(ValueError, match="--eval-every evaluates in the synchronous loop only"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, eval_every=5))
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks
     with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, num_prompts=3, group_size=4,
@@ -370,6 +373,24 @@ def test_sync_run_logs_every_metric_checkpoints_and_resumes(run_dir):
     rows, _ = _rows(run_dir, "sync")
     assert [r["global_step"] for r in rows] == [32, 64, 96, 128, 160]
     assert all(k in resumed for k in METRICS) and all(k in last for k in METRICS)
+
+
+def test_held_out_evaluation_every_n_iterations_at_the_end_and_of_a_finished_run(run_dir):
+    args = grpo.Args(run_dir=run_dir, exp_name="evaluated", total_timesteps=3 * 32, eval_every=2, eval_prompts=8,
+                     checkpoint_every=0, **SMALL)
+    grpo.train(args)
+    rows, path = _rows(run_dir, "evaluated")
+    evaluations = [(r["global_step"], r["charts/eval_solve_rate"]) for r in rows if "charts/eval_solve_rate" in r]
+    assert [step for step, _ in evaluations] == [64, 96] and all(0 <= rate <= 1 for _, rate in evaluations)
+    grpo.train(grpo.Args(**{**vars(args), "eval_prompts": 16, "resume": f"{path}/checkpoint.pt"}))  # only evaluates
+    rows, _ = _rows(run_dir, "evaluated")
+    assert [r["global_step"] for r in rows if "charts/eval_solve_rate" in r] == [64, 96, 96]
+    # the held-out problems are the same at every call: the same weights and sampler seed score the same
+    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    model.load_state_dict(torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"])
+    rates = {grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(32), args.group_size)
+             for sampler in (grpo.make_sampler(model, tokenizer, args, seed=5) for _ in range(2))}
+    assert len(rates) == 1
 
 
 def test_packed_sampler_weights_follow_every_update(run_dir, monkeypatch):
@@ -459,9 +480,8 @@ def _solve_rate(args, state=None, num_prompts=64):
     if state is not None:
         model.load_state_dict(state)
     sampler = grpo.make_sampler(model, tokenizer, args, seed=123)
-    batch = sampler.make_batch(num_prompts * args.group_size)
-    sampler.fill(batch, grpo.PromptStream(task, tokenizer, seed=-1000), group_size=args.group_size, carry_over=False)
-    return float(grpo.score(task, tokenizer, batch.cpu(), -1000).mean())
+    return grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(num_prompts * args.group_size),
+                                    args.group_size)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -296,10 +296,8 @@ def test_grpo_on_the_vllm_sampler_learns_within_the_lag_bound(mode, tmp_path):
 
     def solve_rate():
         sampler = grpo.make_sampler(model, tokenizer, args, seed=123)
-        batch = sampler.make_batch(64 * args.group_size)
-        sampler.fill(batch, grpo.PromptStream(task, tokenizer, seed=-1000), group_size=args.group_size,
-                     carry_over=False)
-        return float(grpo.score(task, tokenizer, batch, -1000).mean())
+        return grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(64 * args.group_size),
+                                        args.group_size)
 
     before = solve_rate()
     model.load_state_dict(torch.load(metrics.parent / "checkpoint.pt", weights_only=False)["model"])
