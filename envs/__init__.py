@@ -35,8 +35,8 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
     Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
     gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state).
     `video_folder` (a folder, made if missing): sub-env 0 renders rgb_array frames and gymnasium's RecordVideo
-    writes every one of its episodes that ends there as an mp4; nothing else changes (the same observations, rewards and
-    episode statistics for the same seed). Atari then runs on gymnasium's ALE envs (AtariVectorEnv cannot
+    writes every one of its episodes that ends there as an mp4; nothing else changes (the same observations,
+    rewards and episode statistics for the same seed). Atari then runs on gymnasium's ALE envs (AtariVectorEnv cannot
     render: see envs/atari.py); the torch/ envs do not render."""
     device = torch.device(device)
     if video_folder is not None:

@@ -7,9 +7,9 @@ Statistics are shared by all sub-envs, and saved in checkpoints. Discrete-action
 With `video_folder`, sub-env 0 is made with render_mode="rgb_array" and wrapped in gymnasium's RecordVideo, which
 writes every one of its episodes that ends there as an mp4 (moviepy; see `RecordEndedEpisodes`); the other sub-envs
 do not render, and rendering changes no number. Classic control renders with pygame (the `video` extra has it);
-MuJoCo with OpenGL: on a Linux machine without a display
-MUJOCO_GL defaults to "egl" here (gymnasium would try GLFW, which fails there and does not fall back), unless
-MUJOCO_GL or PYOPENGL_PLATFORM is set. If nothing can render, make_env says so at once.
+MuJoCo with OpenGL: on a Linux machine without a display MUJOCO_GL defaults to "egl" here (gymnasium would try
+GLFW, which fails there and does not fall back), unless MUJOCO_GL or PYOPENGL_PLATFORM is set. If nothing can
+render, make_env says so at once.
 """
 import os
 import re

@@ -29,7 +29,7 @@ class Logger:
 
     On close (a `with` block's end, normal or interrupted) it prints the run's summary to stdout: run directory,
     steps, wall time, SPS, the last value of `return_metric`, its mean over the last `SUMMARY_WINDOW` logs and its
-    best, and `checkpoint` when given.
+    best, the last evaluation (`charts/eval_*`) when the run evaluated, and `checkpoint` when given.
     """
 
     def __init__(self, run_dir, config: dict, total_steps: int, *, track=False, wandb_mode="offline",
@@ -183,6 +183,7 @@ class Logger:
             recent = f" ({statistics.fmean(self.recent_returns):.2f} over the last {n} logs)" if n > 1 else ""
             lines.append(f"return:     last {self.recent_returns[-1]:.2f}{recent}, best {self.best_return:.2f} "
                          f"({self.return_metric})")
+        lines += [f"eval:       last {self.last[k]:.2f} ({k})" for k in sorted(self.last) if k.startswith("charts/eval_")]
         if self.checkpoint:
             lines.append(f"checkpoint: {self.checkpoint}")
         return "\n".join(lines)

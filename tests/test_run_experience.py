@@ -6,6 +6,7 @@ import functools
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -274,6 +275,7 @@ def test_off_policy_capture_video_films_every_evaluation_and_a_finished_run(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     run, checkpoint = only_run(tmp_path)
     assert len(glob.glob(f"{run}/videos/*.mp4")) == 2  # no 1-frame video of the episode an evaluation's end began
+    assert re.search(r"^eval:       last -\d+\.\d\d \(charts/eval_return\)$", proc.stdout, re.M), proc.stdout
     proc = run_script("td3_continuous.py", flags + ["--resume", checkpoint], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(glob.glob(f"{run}/videos/*.mp4")) == 3 and "Overwriting existing videos" not in proc.stderr
