@@ -1,6 +1,6 @@
 """Around a run, as a CleanRL user meets it: the summary at the end and on a signal (exit codes 130/143, no
 traceback), the flags saved and checked on resume, one-line errors for torn and foreign checkpoints, atomic
-checkpoint writes, TensorBoard event files, range checks on flags, PPO's evaluation and video."""
+checkpoint writes, TensorBoard event files, range checks on flags, evaluation and video."""
 
 import functools
 import glob
