@@ -263,7 +263,6 @@ def test_capture_video_films_the_evaluation(tmp_path):
     assert "charts/eval_return" in rows[-1]
 
 
-
 def test_off_policy_capture_video_films_every_evaluation_and_a_finished_run(tmp_path):
     """TD3 on Pendulum-v1 (pygame draws it): one whole episode filmed per evaluation, at 100 steps and at the end;
     resumed once finished, with --capture-video, the run films its trained agent again without training."""
