@@ -108,7 +108,7 @@ class Args(leanrl.RunArgs):
     eval_every: int = 0
     """every this many iterations, and at the end, the held-out solve rate (charts/eval_solve_rate): the same
     --eval-prompts problems each time, from a stream of their own (not the training one), group_size completions
-    each, sampled as in training (0: never; sync runs)"""
+    each, sampled as in training (0: never; --async: by a built-in sampler of the trainer's)"""
     eval_prompts: int = 64
     """held-out prompts per evaluation"""
 
@@ -410,11 +410,19 @@ class PromptStream:
 HELD_OUT_SEED = -1000  # the problems evaluations draw; training draws with --seed
 
 
-def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size: int) -> float:
+def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size: int, version: int = 0) -> float:
     """Mean score of `group_size` completions of each of the first `len(batch) // group_size` held-out problems
-    (the same ones at every call), sampled by `sampler` into `batch`. Reads the scores on the host."""
-    sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED), group_size=group_size, carry_over=False)
+    (the same ones at every call), sampled by `sampler` into `batch`. `version`: that of the weights `sampler`
+    reads (a new one makes it pack them again, or push them into its vLLM engine). Reads the scores on the host."""
+    sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED), group_size=group_size,
+                 step_boundary=lambda: version, carry_over=False)
     return float(score(task, tokenizer, batch.cpu(), HELD_OUT_SEED).mean())
+
+
+def held_out_evaluation(sampler, task, tokenizer, args: Args):
+    """evaluate(version) -> the held-out solve rate of `sampler` on `--eval-prompts` problems (held_out_solve_rate)."""
+    batch = sampler.make_batch(args.eval_prompts * args.group_size)
+    return lambda version: held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version)
 
 
 def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
@@ -609,12 +617,8 @@ def train(args: Args) -> dict:
     def state():
         return dict(learner_state(learner), iteration=iteration, next_prompt=prompts.next_index)
 
-    if args.eval_every and rank == 0:  # the other ranks go on to the next batch's gradient sum, and wait there
-        eval_batch = sampler.make_batch(args.eval_prompts * args.group_size)
-
-    def evaluate():
-        return held_out_solve_rate(sampler, task, tokenizer, eval_batch, args.group_size)
-
+    # Rank 0 evaluates; the other ranks go on to the next batch's gradient sum, and wait there.
+    evaluate = held_out_evaluation(sampler, task, tokenizer, args) if args.eval_every and rank == 0 else None
     logger, interrupt = rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path, state)
     with logger, interrupt:
         while iteration < num_iterations:
@@ -637,14 +641,14 @@ def train(args: Args) -> dict:
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
             logger.end_iteration(iteration * B)
-            if rank == 0 and args.eval_every and iteration % args.eval_every == 0 and iteration < num_iterations:
-                logger.record({"charts/eval_solve_rate": evaluate()})
+            if evaluate and iteration % args.eval_every == 0 and iteration < num_iterations:
+                logger.record({"charts/eval_solve_rate": evaluate(iteration)})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(checkpoint_path, state(), args)
-        if rank == 0 and args.eval_every:  # the trained policy, also when a finished run is resumed only to evaluate
-            logger.record({"charts/eval_solve_rate": evaluate()})
+        if evaluate:  # the trained policy, also when a finished run is resumed only to evaluate
+            logger.record({"charts/eval_solve_rate": evaluate(iteration)})
             logger.flush()
         if rank == 0:
             leanrl.save_checkpoint(checkpoint_path, state(), args)

@@ -43,10 +43,12 @@ class Args(grpo.Args, AsyncArgs):
 def check_args(args: Args):
     # Under torchrun with threads/processes, the ranks are data-parallel trainers; with distributed, collectors.
     grpo.check_args(args, 1 if args.transport == "distributed" else DataParallel.torchrun_world())
-    if args.async_ and args.eval_every:
-        raise leanrl.UsageError("--eval-every evaluates in the synchronous loop only: the async trainer owns no "
-                                "sampler")
     check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
+    if (args.async_ and args.sampler == "vllm" and args.transport == "threads" and args.num_collectors > 1
+            and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"):  # vLLM's parallel state is per process
+        raise leanrl.UsageError(f"VLLM_ENABLE_V1_MULTIPROCESSING=0 with --transport threads: the {args.num_collectors}"
+                                " collectors' engines would run in one process, which holds one vLLM engine; use "
+                                "--transport processes, --num-collectors 1, or engines in processes of their own")
 
 
 def batch_template(sampler, args: Args):
@@ -133,6 +135,10 @@ def train(args: Args, collector=grpo_collector) -> dict:
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     # The batch layout is the same for every sampler: the cheapest one builds it.
     template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), share)
+    # Evaluations sample the trainer's weights with a built-in sampler of its own (the collectors' samplers follow
+    # them up to --max-lag behind, in other processes or on other machines), on rank 0 only as in sync GRPO.
+    evaluate = grpo.held_out_evaluation(grpo.make_sampler(model, tokenizer, args, backend="builtin"), task,
+                                        tokenizer, args) if args.eval_every and rank == 0 else None
     logger, interrupt = grpo.rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path,
                                           state)
     C = args.num_collectors
@@ -158,10 +164,15 @@ def train(args: Args, collector=grpo_collector) -> dict:
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
             logger.end_iteration(iteration * B)
+            if evaluate and iteration % args.eval_every == 0 and iteration < num_iterations:
+                logger.record({"charts/eval_solve_rate": evaluate(iteration)})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(checkpoint_path, state(), args)
+        if evaluate:  # the trained policy, also when a finished run is resumed only to evaluate
+            logger.record({"charts/eval_solve_rate": evaluate(iteration)})
+            logger.flush()
         if rank == 0:
             leanrl.save_checkpoint(checkpoint_path, state(), args)
     data_parallel.close()

@@ -321,8 +321,6 @@ def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
     with pytest.raises(ValueError, match=r"--max-lag -1"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
-    with pytest.raises(ValueError, match="--eval-every evaluates in the synchronous loop only"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, eval_every=5))
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks
     with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
         grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, num_prompts=3, group_size=4,
@@ -391,6 +389,32 @@ def test_held_out_evaluation_every_n_iterations_at_the_end_and_of_a_finished_run
     rates = {grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(32), args.group_size)
              for sampler in (grpo.make_sampler(model, tokenizer, args, seed=5) for _ in range(2))}
     assert len(rates) == 1
+
+
+def test_an_evaluation_samples_the_weights_of_the_version_it_is_given(run_dir, monkeypatch):
+    """A sampler that packs its weights (on a CPU) packs them again for a new version: an evaluation after an update
+    samples the new weights, the same tokens as a new sampler over them (before, an evaluation after the first
+    update sampled version 0's packs)."""
+    from leanrl.llm import sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "PACK_MIN_ELEMENTS", 0)
+    args = grpo.Args(run_dir=run_dir, **SMALL)
+    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+
+    def tokens(sampler, version):
+        sampler.generator.manual_seed(0)
+        batch = sampler.make_batch(32)
+        grpo.held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version)
+        return batch["tokens"]
+
+    sampler = grpo.make_sampler(model, tokenizer, args)
+    before = tokens(sampler, 0)
+    torch.manual_seed(0)
+    with torch.no_grad():  # an update, in place as the optimizer makes it
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.05)
+    after = tokens(sampler, 1)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, tokens(grpo.make_sampler(model, tokenizer, args), 0))
 
 
 def test_packed_sampler_weights_follow_every_update(run_dir, monkeypatch):
@@ -502,7 +526,7 @@ def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir
     assert after >= before + 0.06, (before, after)  # measured: 0.189 -> 0.303 (sync), 0.275 (async, lag 2)
 
 
-@pytest.mark.parametrize("flags", [[], ["--async", "--max-lag", "1"]])
+@pytest.mark.parametrize("flags", [[], ["--async", "--max-lag", "1", "--eval-every", "1", "--eval-prompts", "4"]])
 def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
     import subprocess
     import sys
@@ -514,8 +538,11 @@ def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "%|" not in proc.stderr, proc.stderr[-3000:]  # --no-progress: no tqdm bar, transformers' included
     rows, path = _rows(run_dir, f"script{len(flags)}")
+    evaluated = [r["global_step"] for r in rows if "charts/eval_solve_rate" in r]
+    rows = [r for r in rows if "charts/reward_mean" in r]  # the evaluation at the end is a row of its own
     assert len(rows) == 2 and all(k in rows[-1] for k in METRICS)
     assert os.path.isfile(f"{path}/checkpoint.pt")
+    assert evaluated == ([32, 64] if "--async" in flags else [])  # async evaluates on the trainer, as sync does
 
 
 def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):

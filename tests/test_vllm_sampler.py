@@ -256,6 +256,16 @@ def test_an_engine_in_this_process_under_torchrun_is_a_clear_error(setup, tmp_pa
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
+def test_engines_of_collector_threads_in_this_process_are_a_clear_error(tmp_path, monkeypatch):
+    """Two in-process engines in one process fail deep in vLLM's parallel state ("Engram tensor-parallel group is
+    already initialized"), after the first was built: async GRPO says so before anything is built."""
+    from leanrl.algorithms import grpo_async
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(ValueError, match="with --transport threads: the 2 collectors' engines would run in one"):
+        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, sampler="vllm", num_collectors=2))
+    assert os.listdir(tmp_path) == []
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
