@@ -492,6 +492,19 @@ def explained_variance(b) -> torch.Tensor:
     return 1 - (b["returns"] - b["values"]).var() / b["returns"].var()
 
 
+def make_evaluation(agent_inference, eval_envs, args: Args, statistics_from=None):
+    """evaluate() -> the mean return of the policy as it samples over `eval_envs`' episodes, their observations
+    normalized with the statistics of `statistics_from` (a host env: the training envs) at each call."""
+    policy = make_policy(agent_inference)  # eager: its batch is eval_episodes, not num_envs
+
+    def evaluate():
+        if statistics_from is not None:
+            eval_envs.load_state_dict(statistics_from.state_dict())
+        return leanrl.evaluate(lambda obs: policy(obs)[0], eval_envs, args.seed + 10_000)
+
+    return evaluate
+
+
 # ------------------------------------------------------------------------------------------- training
 def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
     """Train to `args.total_timesteps`; log to the run directory (see `leanrl.Logger`); checkpoint every
@@ -555,14 +568,9 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), envs=envs.state_dict(),
                     next_obs=next_obs, global_step=iteration * batch_size, iteration=iteration)
 
-    if evaluating:
+    if evaluating:  # a host env's state is its normalizer statistics: evaluations use the training ones
         eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
-        eval_policy = make_policy(agent_inference)  # eager: its batch is eval_episodes, not num_envs
-
-    def evaluate():
-        if not envs.on_device:  # a host env's state is its normalizer statistics: evaluate with the training ones
-            eval_envs.load_state_dict(envs.state_dict())
-        return leanrl.evaluate(lambda obs: eval_policy(obs)[0], eval_envs, args.seed + 10_000)
+        evaluate = make_evaluation(agent_inference, eval_envs, args, None if envs.on_device else envs)
 
     logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size,
                                      checkpoint=ckpt_path)

@@ -4,6 +4,7 @@ none). PPO's networks, rollout, GAE and update epochs are imported from `ppo.py`
 the collector and the trainer's loop. Depends on torch, tensordict, `leanrl` (its pipeline) and `ppo.py` beside it.
 """
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal
@@ -28,9 +29,6 @@ class Args(ppo.Args, AsyncArgs):
 def check_args(args: Args) -> tuple[int, int, int]:
     """Fail on settings that cannot work, before any environment is built or anything compiled."""
     sizes = ppo.check_args(args)
-    if args.async_ and (args.eval_every or args.capture_video):
-        raise leanrl.UsageError("--eval-every / --capture-video evaluate in the synchronous loop only: the async "
-                                "trainer owns no env (its collectors do, each with observation statistics of its own)")
     if args.async_:
         leanrl.pipeline.check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic,
                                        args.publish_every)
@@ -147,13 +145,21 @@ def collector(ctx, args: Args, make_envs, device):
 
 
 # ------------------------------------------------------------------------------------------- the trainer
-def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> SimpleNamespace | None:
+def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace | None:
     """Async PPO to `args.total_timesteps`. `make_envs(seed=, device=)` builds one collector's envs (picklable for
     processes); `spec` has the envs' `single_observation_space`, `single_action_space` and `obs_dtype` (e.g. a
-    one-env instance): the trainer owns no env. With `--transport distributed`, every torchrun rank calls this;
-    collector ranks return None. Logging, checkpoints and resume as `ppo.train` (collectors restart their envs)."""
+    one-env instance): the trainer owns no training env. `make_eval_envs` as in `ppo.train`: the trainer evaluates
+    its own weights. With `--transport distributed`, every torchrun rank calls this; collector ranks return None.
+    Logging, checkpoints and resume as `ppo.train` (collectors restart their envs)."""
     device = device or leanrl.resolve_device(args.device)
     batch_size, _, num_iterations = check_args(args)
+    evaluating = args.eval_every > 0 or args.capture_video
+    if evaluating and make_eval_envs is None:
+        raise leanrl.UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
+    if evaluating and not spec.on_device and spec.state_dict():
+        raise leanrl.UsageError(f"--eval-every / --capture-video with --async: {args.env_id}'s observations are "
+                                "normalized by statistics each collector keeps for itself, which no evaluation "
+                                "shares; evaluate a synchronous run (without --async)")
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
     if args.transport == "distributed":
@@ -187,6 +193,9 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=iteration * batch_size,
                     iteration=iteration)
 
+    if evaluating:  # envs without statistics (checked above): the evaluation's see what the collectors' see
+        eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
+        evaluate = ppo.make_evaluation(agent_inference, eval_envs, args)
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector, (args, make_envs, collector_device),
                                     batch_template(storage), from_module(agent).data, **settings)
@@ -215,12 +224,19 @@ def train(args: Args, make_envs, spec, device=None, on_iteration=None) -> Simple
                                    storage["episode_length"])
             iteration += 1
             logger.end_iteration(iteration * batch_size)
+            if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,
+                                                    args.eval_every) and iteration < num_iterations:
+                logger.record({"charts/eval_return": evaluate()})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
                 on_iteration(iteration, iteration * batch_size)
+        if evaluating:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": evaluate()})
+            logger.flush()
+            eval_envs.close()
         leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
     return SimpleNamespace(agent=agent, optimizer=optimizer, logged=logger.last, iteration=iteration,
                            global_step=iteration * batch_size, run_dir=run_dir, consumed=trainer.consumed)

@@ -25,7 +25,7 @@ if __name__ == "__main__":
         make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,
                                            seed=args.seed + 10_000)
         if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces
-            ppo_async.train(args, make_envs, make_env(args.env_id, 1), device)
+            ppo_async.train(args, make_envs, make_env(args.env_id, 1), device, make_eval_envs)
         else:
             envs = make_envs(device=device, seed=args.seed)
             ppo.train(args, envs, device, make_eval_envs)

@@ -248,6 +248,24 @@ def test_ppo_evaluates_every_n_steps_and_at_the_end(tmp_path):
         ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu"))
 
 
+def test_async_ppo_evaluates_the_trainers_weights(tmp_path):
+    """The trainer evaluates with eval envs of its own; an env whose observations each collector normalizes with
+    statistics of its own is one line, before anything is built."""
+    args = ppo_async.Args(env_id="torch/CartPole-v1", num_envs=4, num_steps=32, num_minibatches=1, update_epochs=1,
+                          total_timesteps=1024, eval_every=512, eval_episodes=3, run_dir=str(tmp_path / "runs"),
+                          progress=False, async_=True, num_collectors=1, max_lag=1, transport="threads")
+    make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, seed=11)
+    result = ppo_async.train(args, functools.partial(make_env, args.env_id, args.num_envs),
+                             make_env(args.env_id, 1), torch.device("cpu"), make_eval_envs)
+    rows = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    assert [r["global_step"] for r in rows if "charts/eval_return" in r] == [512, 1024]
+    assert all(r["charts/eval_return"] >= 8 for r in rows if "charts/eval_return" in r)
+    proc = run_script("ppo_continuous.py", ["--env-id", "Pendulum-v1", "--async", "--eval-every", "1000"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --eval-every / --capture-video with --async: "
+                                                           "Pendulum-v1's observations are normalized"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and os.listdir(tmp_path) == ["runs"]
+
+
 def test_capture_video_films_the_evaluation(tmp_path):
     """PPO on Atari: the evaluation at the end is filmed (TD3, SAC and DQN: the next test)."""
     pytest.importorskip("ale_py")
