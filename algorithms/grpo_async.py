@@ -83,10 +83,8 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, 
 def from_rank_zero(model_dir=None, prompt_offset=None):
     """`--transport distributed`: rank 0's model directory (the warm start it built) and prompt offset on every
     rank. A collector rank on a node that does not see rank 0's directory receives its files."""
-    from leanrl.pipeline.distributed import directory_on_every_rank
-    box = [(model_dir, prompt_offset)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    model_dir, prompt_offset = box[0]
+    from leanrl.pipeline.distributed import broadcast_from_rank_zero, directory_on_every_rank
+    model_dir, prompt_offset = broadcast_from_rank_zero((model_dir, prompt_offset))
     return directory_on_every_rank(model_dir), prompt_offset
 
 

@@ -492,14 +492,13 @@ def explained_variance(b) -> torch.Tensor:
     return 1 - (b["returns"] - b["values"]).var() / b["returns"].var()
 
 
-def make_evaluation(agent_inference, eval_envs, args: Args, statistics_from=None):
+def make_evaluation(agent_inference, eval_envs, args: Args, statistics):
     """evaluate() -> the mean return of the policy as it samples over `eval_envs`' episodes, their observations
-    normalized with the statistics of `statistics_from` (a host env: the training envs) at each call."""
+    normalized as in training: with `statistics()` (the training envs' `statistics()`) at each call."""
     policy = make_policy(agent_inference)  # eager: its batch is eval_episodes, not num_envs
 
     def evaluate():
-        if statistics_from is not None:
-            eval_envs.load_state_dict(statistics_from.state_dict())
+        eval_envs.load_statistics(statistics())
         return leanrl.evaluate(lambda obs: policy(obs)[0], eval_envs, args.seed + 10_000)
 
     return evaluate
@@ -568,9 +567,9 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), envs=envs.state_dict(),
                     next_obs=next_obs, global_step=iteration * batch_size, iteration=iteration)
 
-    if evaluating:  # a host env's state is its normalizer statistics: evaluations use the training ones
+    if evaluating:
         eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
-        evaluate = make_evaluation(agent_inference, eval_envs, args, None if envs.on_device else envs)
+        evaluate = make_evaluation(agent_inference, eval_envs, args, envs.statistics)
 
     logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size,
                                      checkpoint=ckpt_path)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Literal
 
 import torch
-from tensordict import from_module
+from tensordict import TensorDict, from_module
 
 import leanrl
 import leanrl.pipeline
@@ -108,21 +108,25 @@ def make_logprob(agent):
 
 
 # ----------------------------------------------------------------------------------------- the collector
-def batch_template(storage):
-    """What a collector sends: the rollout storage, GAE's inputs and the version of every step."""
-    template = storage.clone()
-    template["next_values"] = torch.zeros_like(template["values"])
-    template["gae_terminated"] = torch.zeros_like(template["terminated"])
-    template["version"] = torch.zeros(template.shape, dtype=torch.int64, device=storage.device)
-    return template
+def batch_template(storage, statistics: dict) -> TensorDict:
+    """What a collector sends: the rollout storage, GAE's inputs and the version of every step, and its envs'
+    `statistics()` after the rollout (the normalizers', which the trainer evaluates and checkpoints with)."""
+    rollout = storage.clone()
+    rollout["next_values"] = torch.zeros_like(rollout["values"])
+    rollout["gae_terminated"] = torch.zeros_like(rollout["terminated"])
+    version = torch.zeros(rollout.shape, dtype=torch.int64, device=storage.device)
+    return TensorDict(rollout=rollout, version=version, statistics=TensorDict(statistics))  # statistics: on the host
 
 
-def collector(ctx, args: Args, make_envs, device):
+def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None):
     """A collector role: PPO's rollout on its own envs, its policy reading the newest weights in place at every
-    step boundary (`ctx.step_boundary()`, which also gives the version each step is tagged with)."""
+    step boundary (`ctx.step_boundary()`, which also gives the version each step is tagged with). `statistics`: the
+    envs' to start from (a resumed run's)."""
     seed = args.seed + 1 + ctx.rank
     leanrl.seed_everything(seed, args.torch_deterministic)
     envs = make_envs(seed=seed, device=device)
+    if statistics is not None:
+        envs.load_statistics(statistics)
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
     act, get_value = ppo.make_acting(agent, envs, args, leanrl.wrap_flags(args, device))
     storage = ppo.make_storage(envs, args, device)
@@ -133,13 +137,15 @@ def collector(ctx, args: Args, make_envs, device):
         return act(obs, *noise)
 
     try:
-        for batch in ctx.batches(from_module(agent).data, batch_template(storage)):
+        for batch in ctx.batches(from_module(agent).data, batch_template(storage, envs.statistics())):
             versions.clear()
             next_values, terminated = ppo.rollout(tagged_act, get_value, envs, next_obs, storage, args)
-            batch.update_(storage)
-            batch["next_values"].copy_(next_values)
-            batch["gae_terminated"].copy_(terminated)
-            batch["version"].copy_(torch.tensor(versions).unsqueeze(1).expand(batch.shape))
+            rollout = batch["rollout"]
+            rollout.update_(storage)
+            rollout["next_values"].copy_(next_values)
+            rollout["gae_terminated"].copy_(terminated)
+            batch["version"].copy_(torch.tensor(versions).unsqueeze(1).expand(rollout.shape))
+            batch["statistics"].update_(TensorDict(envs.statistics()))
     finally:
         envs.close()
 
@@ -150,25 +156,29 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     processes); `spec` has the envs' `single_observation_space`, `single_action_space` and `obs_dtype` (e.g. a
     one-env instance): the trainer owns no training env. `make_eval_envs` as in `ppo.train`: the trainer evaluates
     its own weights. With `--transport distributed`, every torchrun rank calls this; collector ranks return None.
-    Logging, checkpoints and resume as `ppo.train` (collectors restart their envs)."""
+    Logging, checkpoints and resume as `ppo.train`: collectors start new episodes, their envs' statistics (each
+    collector keeps its own) from those of the newest batch the trainer consumed."""
     device = device or leanrl.resolve_device(args.device)
     batch_size, _, num_iterations = check_args(args)
     evaluating = args.eval_every > 0 or args.capture_video
     if evaluating and make_eval_envs is None:
         raise leanrl.UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
-    if evaluating and not spec.on_device and spec.state_dict():
-        raise leanrl.UsageError(f"--eval-every / --capture-video with --async: {args.env_id}'s observations are "
-                                "normalized by statistics each collector keeps for itself, which no evaluation "
-                                "shares; evaluate a synchronous run (without --async)")
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
     if args.transport == "distributed":
-        from leanrl.pipeline.distributed import is_collector_rank, join
+        from leanrl.pipeline.distributed import broadcast_from_rank_zero, is_collector_rank, join
         device = join(args.num_collectors, device)
         if is_collector_rank():
-            leanrl.pipeline.start("distributed", args.num_collectors, collector, (args, make_envs, device), None,
-                                  None, **settings)
+            resumed_statistics = broadcast_from_rank_zero()
+            leanrl.pipeline.start("distributed", args.num_collectors, collector,
+                                  (args, make_envs, device, resumed_statistics), None, None, **settings)
             return None
+    state = {}
+    if args.resume:  # before the collectors start, from its envs' statistics (None in a checkpoint made before)
+        state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
+    resumed_statistics = state.get("statistics")
+    if args.transport == "distributed":
+        broadcast_from_rank_zero(resumed_statistics)
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = f"{run_dir}/checkpoint.pt"
 
@@ -183,22 +193,23 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     storage = ppo.make_storage(spec, args, device)
 
     iteration = 0
-    if args.resume:  # the learner resumes exactly; collectors start new episodes
-        state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
+    if args.resume:  # the learner resumes exactly
         agent.load_state_dict(state["agent"])
         leanrl.load_optimizer_state(optimizer, state["optimizer"])
         iteration = state["iteration"]
+    statistics = resumed_statistics or spec.statistics()  # the newest batch's, once one is consumed
 
     def checkpoint_state():
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=iteration * batch_size,
-                    iteration=iteration)
+                    iteration=iteration, statistics=statistics)
 
-    if evaluating:  # envs without statistics (checked above): the evaluation's see what the collectors' see
+    if evaluating:
         eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
-        evaluate = ppo.make_evaluation(agent_inference, eval_envs, args)
+        evaluate = ppo.make_evaluation(agent_inference, eval_envs, args, lambda: statistics)
     collector_device = device if args.transport == "threads" else torch.device("cpu")
-    trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector, (args, make_envs, collector_device),
-                                    batch_template(storage), from_module(agent).data, **settings)
+    trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector,
+                                    (args, make_envs, collector_device, resumed_statistics),
+                                    batch_template(storage, spec.statistics()), from_module(agent).data, **settings)
     logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size,
                                      checkpoint=ckpt_path)
     with trainer, logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
@@ -206,9 +217,11 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             if args.anneal_lr:
                 optimizer.param_groups[0]["lr"].fill_((1.0 - iteration / num_iterations) * args.learning_rate)
             batch = trainer.next_batch()  # valid until the publish below
-            storage.update_(batch.select(*storage.keys()))
-            advantages, returns = gae_fn(storage["rewards"], storage["values"], batch["next_values"].to(device),
-                                         batch["gae_terminated"].to(device),
+            rollout = batch["rollout"]
+            storage.update_(rollout.select(*storage.keys()))
+            statistics = batch["statistics"].clone().to_dict()
+            advantages, returns = gae_fn(storage["rewards"], storage["values"], rollout["next_values"].to(device),
+                                         rollout["gae_terminated"].to(device),
                                          storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
             b = ppo.flat_batch(storage, advantages, returns)
             with torch.no_grad():  # the proximal policy: the weights this batch is consumed with

@@ -4,7 +4,8 @@ Interface (all families): `num_envs`, `device`, `single_observation_space`, `sin
 `obs_dtype`, `reset(seed=None) -> obs`, `step(action) -> TensorDict` with keys next_obs, final_obs,
 reward, terminated, truncated, episode_return, episode_length (gymnasium's SAME_STEP autoreset:
 next_obs is already reset where the episode ended, final_obs is the true last obs),
-`state_dict()`, `load_state_dict(sd)`, `close()`.
+`state_dict()`, `load_state_dict(sd)` (what a checkpoint keeps), `statistics()`, `load_statistics(sd)` (what a
+policy trained on the envs needs in new ones: the normalizers' running statistics, {} for most envs), `close()`.
 """
 import os
 import re

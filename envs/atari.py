@@ -103,6 +103,12 @@ class AtariEnv:
         )
         return to_device(td, self.device)
 
+    def statistics(self) -> dict:
+        return {}  # nothing is normalized
+
+    def load_statistics(self, sd: dict) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {}  # a resumed run starts fresh games
 

@@ -82,18 +82,28 @@ class GymEnv(TorchVectorEnv):
             stats["return_rms"] = self.reward_norm.return_rms
         return stats
 
+    def statistics(self) -> dict:
+        """The normalizers' running statistics, shared by the sub-envs: what a policy trained on these envs needs to
+        act in new ones (an evaluation's, an async collector's). Tensors, as torch.load(weights_only=True) wants."""
+        return {name: {"mean": torch.tensor(rms.mean), "var": torch.tensor(rms.var),
+                       "count": torch.tensor(float(rms.count), dtype=torch.float64)}
+                for name, rms in self._running_stats().items()}
+
+    def load_statistics(self, sd: dict) -> None:
+        for name, rms in self._running_stats().items():
+            saved = sd[name]
+            rms.mean, rms.var = saved["mean"].numpy().copy(), saved["var"].numpy().copy()
+            rms.count = float(saved["count"])
+
     def state_dict(self) -> dict:
-        """Normalizer statistics, as tensors so that torch.load(weights_only=True) accepts them."""
-        sd = {name: {"mean": torch.tensor(rms.mean), "var": torch.tensor(rms.var), "count": float(rms.count)}
-              for name, rms in self._running_stats().items()}
+        """The statistics, and the reward normalizer's discounted return of each sub-env."""
+        sd = self.statistics()
         if self.reward_norm is not None:
             sd["accumulated_reward"] = torch.tensor(self.reward_norm.accumulated_reward)
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        for name, rms in self._running_stats().items():
-            saved = sd[name]
-            rms.mean, rms.var, rms.count = saved["mean"].numpy().copy(), saved["var"].numpy().copy(), saved["count"]
+        self.load_statistics(sd)
         if self.reward_norm is not None:
             self.reward_norm.accumulated_reward[:] = sd["accumulated_reward"].numpy()
 

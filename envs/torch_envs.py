@@ -130,6 +130,12 @@ class TorchEnv:
         for mine, new in zip(self.carry, carry):
             mine.copy_(new)
 
+    def statistics(self) -> dict:
+        return {}  # nothing is normalized
+
+    def load_statistics(self, sd: dict) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {"state": self.state.clone(), "steps": self.steps.clone(), "episode_return": self.episode_return.clone()}
 

@@ -83,6 +83,12 @@ class TorchVectorEnv:
             episode_length=torch.from_numpy(episode["l"].astype(np.int64)), batch_size=[self.num_envs], device="cpu")
         return to_device(td, self.device)
 
+    def statistics(self) -> dict:
+        return {}
+
+    def load_statistics(self, sd: dict) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {}
 

@@ -101,6 +101,13 @@ def is_collector_rank() -> bool:
     return dist.get_rank() != 0
 
 
+def broadcast_from_rank_zero(obj=None):
+    """Rank 0's `obj` (picklable) on every rank; every rank calls this."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _flat(params):
     """The parameters as one buffer: on their GPU when the weights go over NCCL, in host memory for gloo."""
     leaves = list(params.values(True, True))
