@@ -197,11 +197,11 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
         agent.load_state_dict(state["agent"])
         leanrl.load_optimizer_state(optimizer, state["optimizer"])
         iteration = state["iteration"]
-    statistics = resumed_statistics or spec.statistics()  # the newest batch's, once one is consumed
+    statistics = TensorDict(resumed_statistics or spec.statistics())  # the newest batch's, once one is consumed
 
     def checkpoint_state():
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=iteration * batch_size,
-                    iteration=iteration, statistics=statistics)
+                    iteration=iteration, statistics=statistics.to_dict())
 
     if evaluating:
         eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
@@ -219,7 +219,7 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             batch = trainer.next_batch()  # valid until the publish below
             rollout = batch["rollout"]
             storage.update_(rollout.select(*storage.keys()))
-            statistics = batch["statistics"].clone().to_dict()
+            statistics.update_(batch["statistics"])  # the slot is refilled after the publish
             advantages, returns = gae_fn(storage["rewards"], storage["values"], rollout["next_values"].to(device),
                                          rollout["gae_terminated"].to(device),
                                          storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
