@@ -108,7 +108,8 @@ class Args(leanrl.RunArgs):
     eval_every: int = 0
     """every this many iterations, and at the end, the held-out solve rate (charts/eval_solve_rate): the same
     --eval-prompts problems each time, from a stream of their own (not the training one), group_size completions
-    each, sampled as in training (0: never; --async: by a built-in sampler of the trainer's)"""
+    each, sampled as in training but with random draws of their own, so the same weights score the same (0: never;
+    --async: by a built-in sampler of the trainer's)"""
     eval_prompts: int = 64
     """held-out prompts per evaluation"""
 
@@ -410,19 +411,23 @@ class PromptStream:
 HELD_OUT_SEED = -1000  # the problems evaluations draw; training draws with --seed
 
 
-def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size: int, version: int = 0) -> float:
+def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size: int, version: int = 0,
+                        seed: int = 0) -> float:
     """Mean score of `group_size` completions of each of the first `len(batch) // group_size` held-out problems
-    (the same ones at every call), sampled by `sampler` into `batch`. `version`: that of the weights `sampler`
-    reads (a new one makes it pack them again, or push them into its vLLM engine). Reads the scores on the host."""
-    sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED), group_size=group_size,
-                 step_boundary=lambda: version, carry_over=False)
+    (the same ones at every call), sampled by `sampler` into `batch` with draws from `seed` (`sampler.seeded`: the
+    same weights score the same). `version`: that of the weights `sampler` reads (a new one makes it pack them
+    again, or push them into its vLLM engine). Reads the scores on the host."""
+    with sampler.seeded(seed):
+        sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED), group_size=group_size,
+                     step_boundary=lambda: version, carry_over=False)
     return float(score(task, tokenizer, batch.cpu(), HELD_OUT_SEED).mean())
 
 
 def held_out_evaluation(sampler, task, tokenizer, args: Args):
     """evaluate(version) -> the held-out solve rate of `sampler` on `--eval-prompts` problems (held_out_solve_rate)."""
     batch = sampler.make_batch(args.eval_prompts * args.group_size)
-    return lambda version: held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version)
+    return lambda version: held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version,
+                                               args.seed + 10_000)
 
 
 def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:

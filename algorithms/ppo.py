@@ -492,14 +492,15 @@ def explained_variance(b) -> torch.Tensor:
     return 1 - (b["returns"] - b["values"]).var() / b["returns"].var()
 
 
-def make_evaluation(agent_inference, eval_envs, args: Args, statistics):
+def make_evaluation(agent_inference, eval_envs, args: Args, statistics, own_draws=True):
     """evaluate() -> the mean return of the policy as it samples over `eval_envs`' episodes, their observations
-    normalized as in training: with `statistics()` (the training envs' `statistics()`) at each call."""
+    normalized as in training: with `statistics()` (the training envs' `statistics()`) at each call. `own_draws`: as
+    in `leanrl.evaluate`."""
     policy = make_policy(agent_inference)  # eager: its batch is eval_episodes, not num_envs
 
     def evaluate():
         eval_envs.load_statistics(statistics())
-        return leanrl.evaluate(lambda obs: policy(obs)[0], eval_envs, args.seed + 10_000)
+        return leanrl.evaluate(lambda obs: policy(obs)[0], eval_envs, args.seed + 10_000, own_draws)
 
     return evaluate
 

@@ -205,7 +205,9 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
 
     if evaluating:
         eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
-        evaluate = ppo.make_evaluation(agent_inference, eval_envs, args, lambda: statistics)
+        # Collector threads draw from torch's generators meanwhile: the evaluation cannot set them aside.
+        evaluate = ppo.make_evaluation(agent_inference, eval_envs, args, lambda: statistics,
+                                       own_draws=args.transport != "threads")
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector,
                                     (args, make_envs, collector_device, resumed_statistics),

@@ -9,10 +9,27 @@ def crossings(before: int, after: int, every: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(policy, envs, seed: int) -> torch.Tensor:
+def evaluate(policy, envs, seed: int, own_draws: bool = True) -> torch.Tensor:
     """Mean return of one episode in each of `envs.num_envs` environments, acting with `policy` (obs -> action),
     from a reset with `seed` (the same start states at every evaluation). Reads one flag to the host per step:
-    it is meant to run every few thousand training steps, not in the hot loop."""
+    it is meant to run every few thousand training steps, not in the hot loop.
+
+    `own_draws`: the policy's and the envs' random draws come from torch's generators seeded with `seed` and put back
+    as they were after, so the same weights score the same at every evaluation, and a run with evaluations trains as
+    the same run without them. False where other threads draw from those generators meanwhile (async collector
+    threads): putting them back would replay the other threads' draws."""
+    if not own_draws:
+        return _mean_return(policy, envs, seed)
+    cuda = envs.device.type == "cuda"
+    with torch.random.fork_rng(devices=[envs.device] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:  # that device's generator only: the forked one
+            with torch.cuda.device(envs.device):
+                torch.cuda.manual_seed(seed)
+        return _mean_return(policy, envs, seed)
+
+
+def _mean_return(policy, envs, seed: int) -> torch.Tensor:
     obs = envs.reset(seed=seed)
     returns = finished = None
     while finished is None or not bool(finished.all()):

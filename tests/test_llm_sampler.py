@@ -1,5 +1,6 @@
 """The built-in LLM sampler and local models (leanrl.llm): CPU, tiny models, fixed seeds."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -425,6 +426,23 @@ def test_carry_over_and_min_version_drops(models):
     assert stats["dropped"] >= running and batch["version"].min().item() == 1
     stats = sampler.fill(batch, prompts, group_size=2, step_boundary=lambda: 1, min_version=1, carry_over=False)
     assert stats["groups"] == 2 and all(s is None for s in sampler._slot) and not sampler._queue
+
+
+def test_seeded_fills_sample_alike_and_leave_the_samplers_own_draws_as_they_were(models):
+    """Evaluations: within seeded(seed), the same weights sample the same tokens every time (those of a new sampler
+    with that seed), and the fills after it sample what they would have sampled with no seeded fill before them."""
+    model, tok = models["qwen3"]
+
+    def tokens(sampler, seed=None):
+        batch = sampler.make_batch(8)
+        with sampler.seeded(seed) if seed is not None else contextlib.nullcontext():
+            sampler.fill(batch, iter(prompts_of(tok)), group_size=2, step_boundary=lambda: 0, carry_over=False)
+        return batch["tokens"]
+
+    plain, evaluated = make_sampler(model, tok, seed=1), make_sampler(model, tok, seed=1)
+    first, second = tokens(evaluated, seed=7), tokens(evaluated, seed=7)
+    assert torch.equal(first, second) and torch.equal(first, tokens(make_sampler(model, tok, seed=7)))
+    assert torch.equal(tokens(evaluated), tokens(plain)) and torch.equal(tokens(evaluated), tokens(plain))
 
 
 def test_admission_starts_a_later_batch_group_only_when_it_will_not_be_restarted(models):

@@ -249,6 +249,25 @@ def test_ppo_evaluates_every_n_steps_and_at_the_end(tmp_path):
         ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu"))
 
 
+def test_evaluations_leave_training_as_it_was_and_score_the_same_weights_the_same(tmp_path):
+    """An evaluation draws (its policy's actions, the torch env's resets) from torch's generators seeded for it and
+    put back after (before: from training's, so --eval-every changed what a run learned)."""
+    args = ppo.Args(env_id="torch/CartPole-v1", num_envs=4, num_steps=32, num_minibatches=1, update_epochs=1,
+                    total_timesteps=512, eval_episodes=3, run_dir=str(tmp_path), progress=False)
+    make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, seed=11)
+
+    def trained(eval_every):
+        result = ppo.train(dataclasses.replace(args, eval_every=eval_every), make_env(args.env_id, 4, seed=1),
+                           torch.device("cpu"), make_eval_envs)
+        return result.agent
+
+    evaluated, plain = trained(eval_every=128), trained(eval_every=0)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(evaluated.state_dict()[name], value), name
+    evaluate = ppo.make_evaluation(plain, make_eval_envs(), args, lambda: {})
+    assert evaluate() == evaluate()
+
+
 def test_async_ppo_evaluates_the_trainers_weights(tmp_path):
     args = ppo_async.Args(env_id="torch/CartPole-v1", num_envs=4, num_steps=32, num_minibatches=1, update_epochs=1,
                           total_timesteps=1024, eval_every=512, eval_episodes=3, run_dir=str(tmp_path),

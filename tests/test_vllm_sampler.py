@@ -208,6 +208,24 @@ def test_carry_over_and_min_version(setup):
     assert not sampler._running
 
 
+def test_seeded_fills_sample_alike(setup):
+    """Evaluations: within seeded(seed), the same weights sample the same tokens every time, and the members of a
+    group still differ (a seed per request)."""
+    tok, sampler, model_a, _ = setup
+    set_weights(sampler, model_a)
+
+    def sampled():
+        batch = sampler.make_batch(8)
+        with sampler.seeded(7):
+            sampler.fill(batch, prompts(tok, 4), group_size=4, step_boundary=lambda: 0, carry_over=False)
+        return batch
+
+    first = sampled()
+    assert torch.equal(first["tokens"], sampled()["tokens"])
+    assert len({tuple(row.tolist()) for row in first["tokens"][:4]}) > 1  # a group's members: a seed each
+    check_rows(first, [scores(model_a, row) for row in first["tokens"]])
+
+
 def test_bad_input(setup, tmp_path):
     tok, sampler, *_ = setup
     with pytest.raises(ValueError, match="group_size=3"):

@@ -15,6 +15,7 @@ length); the decode step then feeds the last prompt token and samples the first 
 completion token (the first included) is sampled, scored and version-tagged in the same compiled step.
 """
 
+import contextlib
 import time
 from collections import deque
 
@@ -382,6 +383,17 @@ class Sampler:
         self._decodes[n, cache_len or self.max_len]()
         # The scheduling boundary: the one device read of a step (which slots just ended).
         return self.ended[:n].tolist() + [0] * (self.num_slots - n)
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int):
+        """Within it, sampling draws from `seed`; after it, the sampler draws as if it had sampled nothing within.
+        Evaluations: the same weights sample the same tokens every time, and training samples as without them."""
+        state = self.generator.get_state()
+        self.generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.generator.set_state(state)
 
     # ---- scheduling (host) ----
 

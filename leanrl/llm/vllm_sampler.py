@@ -180,6 +180,7 @@ class VLLMSampler:
         self._ready = []  # complete groups not yet in a batch (carry_over)
         self._order = 0
         self._requests = 0
+        self._seed = None  # within seeded(): (seed, the request count at its start)
         self._version_now = None
         from vllm.v1.engine.exceptions import EngineDeadError
         self._engine_dead = EngineDeadError
@@ -242,11 +243,26 @@ class VLLMSampler:
         finally:
             self.engine.engine_core.call_utility("resume_scheduler")
 
+    @contextlib.contextmanager
+    def seeded(self, seed: int):
+        """The requests submitted within it carry seeds `seed`, `seed + 1`, ...: vLLM draws their noise from
+        generators of their own, so the same weights sample the same tokens every time. Unlike the built-in
+        sampler's, the engine's own generator may still advance (vLLM's CPU sampler draws from it at every step), so
+        the calls after it need not sample what they would have without it."""
+        self._seed = (seed, self._requests)
+        try:
+            yield
+        finally:
+            self._seed = None
+
     def _submit(self, group, member):
-        request_id = str(self._requests)
-        self._requests += 1
         params = self.sampling.clone()
         params.max_tokens = self.max_len - len(group.tokens)
+        if self._seed is not None:
+            seed, first_request = self._seed
+            params.seed = seed + self._requests - first_request
+        request_id = str(self._requests)
+        self._requests += 1
         with self._engine():
             self.engine.add_request(request_id, {"prompt_token_ids": group.tokens}, params)
         self._running[request_id] = (group, member)
