@@ -26,7 +26,7 @@ from tensordict import TensorDict, from_module
 
 import leanrl
 from leanrl.data_parallel import DataParallel
-from leanrl.envs.llm_tasks import TASKS, make_task
+from leanrl.envs.llm_tasks import make_task, task_label
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
 
@@ -38,8 +38,9 @@ class Args(leanrl.RunArgs):
     """total completions sampled (iterations = total_timesteps // (num_prompts * group_size))"""
     checkpoint_every: int = 20
     """save a checkpoint every this many iterations (0: only at exit)"""
-    task: Literal["arithmetic", "letter_count", "countdown"] = "arithmetic"
-    """the verifiable task (envs/llm_tasks.py)"""
+    task: str = "arithmetic"
+    """the verifiable task: `arithmetic`, `letter_count`, `countdown` (envs/llm_tasks.py), or your own class as
+    `module:Class`, importable from where you launch the run"""
     model: str = "tiny"
     """`tiny` (a 2-layer Qwen2 built locally with the task's character tokenizer) or a named model (`smollm2-135m`)"""
     model_path: str | None = None
@@ -485,14 +486,17 @@ def prepare_model(args: Args, task, device) -> str:
     cache = os.path.join(args.run_dir, "warm_start")
     base = args.model_path or args.model
     if base == "tiny" and not args.model_path:
-        base = os.path.join(cache, f"tiny-{args.task}-{args.tiny_layers}x{args.tiny_hidden}-seed{args.seed}")
+        alphabet = hashlib.sha1(task.alphabet.encode()).hexdigest()[:8]  # a task of yours may change it
+        base = os.path.join(cache, f"tiny-{task_label(args.task)}-{alphabet}-{args.tiny_layers}x{args.tiny_hidden}-"
+                                   f"seed{args.seed}")
         if not os.path.isfile(os.path.join(base, "config.json")):
             save_tiny_model(base, char_tokenizer(task.alphabet), num_layers=args.tiny_layers,
                             hidden_size=args.tiny_hidden, max_position_embeddings=max(512, args.max_len),
                             seed=args.seed)
     if args.sft_steps == 0:
         return base
-    key = json.dumps([os.path.abspath(base) if os.path.isdir(base) else base, repr(task), args.sft_steps,
+    settings = repr(task) if dataclasses.is_dataclass(task) else args.task  # not an address that differs every run
+    key = json.dumps([os.path.abspath(base) if os.path.isdir(base) else base, settings, args.sft_steps,
                       args.sft_batch, args.sft_learning_rate, args.max_len, args.seed])
     out = os.path.join(cache, "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])
     if not os.path.isfile(os.path.join(out, "config.json")):
@@ -528,8 +532,13 @@ def check_args(args: Args, world: int = 1):
         raise leanrl.UsageError(f"--temperature {args.temperature}: must be positive (the log-probs divide by it)")
     if args.total_timesteps < B:
         raise leanrl.UsageError(f"--total-timesteps {args.total_timesteps}: less than one batch of {B} completions")
-    if args.task not in TASKS:
-        raise leanrl.UsageError(f"--task {args.task!r}: choose one of {sorted(TASKS)}")
+    try:
+        task = make_task(args.task)
+    except ValueError as e:
+        raise leanrl.UsageError(str(e)) from None
+    if args.model == "tiny" and not args.model_path and not isinstance(getattr(task, "alphabet", None), str):
+        raise leanrl.UsageError(f"--task {args.task!r}: the tiny model's character tokenizer needs its `alphabet` (a "
+                                "string of every character its prompts and answers use); or use --model/--model-path")
     if args.max_prompt_len >= args.max_len:
         raise leanrl.UsageError(f"--max-prompt-len {args.max_prompt_len}: must be below --max-len {args.max_len} "
                                 "(a completion needs at least one token)")
@@ -611,7 +620,7 @@ def train(args: Args) -> dict:
     batch = sampler.make_batch(B // world)
     prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world)  # rank r: prompts r, r + N, ...
     num_iterations = args.total_timesteps // B
-    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
+    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{task_label(args.task)}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:

