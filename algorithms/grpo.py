@@ -26,7 +26,7 @@ from tensordict import TensorDict, from_module
 
 import leanrl
 from leanrl.data_parallel import DataParallel
-from leanrl.envs.llm_tasks import make_task, task_label
+from leanrl.envs.llm_tasks import make_task
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
 
@@ -487,8 +487,8 @@ def prepare_model(args: Args, task, device) -> str:
     base = args.model_path or args.model
     if base == "tiny" and not args.model_path:
         alphabet = hashlib.sha1(task.alphabet.encode()).hexdigest()[:8]  # a task of yours may change it
-        base = os.path.join(cache, f"tiny-{task_label(args.task)}-{alphabet}-{args.tiny_layers}x{args.tiny_hidden}-"
-                                   f"seed{args.seed}")
+        name = f"tiny-{leanrl.path_safe(args.task)}-{alphabet}-{args.tiny_layers}x{args.tiny_hidden}-seed{args.seed}"
+        base = os.path.join(cache, name)
         if not os.path.isfile(os.path.join(base, "config.json")):
             save_tiny_model(base, char_tokenizer(task.alphabet), num_layers=args.tiny_layers,
                             hidden_size=args.tiny_hidden, max_position_embeddings=max(512, args.max_len),
@@ -620,7 +620,7 @@ def train(args: Args) -> dict:
     batch = sampler.make_batch(B // world)
     prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world)  # rank r: prompts r, r + N, ...
     num_iterations = args.total_timesteps // B
-    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{task_label(args.task)}"))
+    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:

@@ -117,7 +117,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
     B = args.num_prompts * args.group_size
     num_iterations = args.total_timesteps // B
     share = dataclasses.replace(args, num_prompts=args.num_prompts // world)  # what this rank's collectors fill
-    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{grpo.task_label(args.task)}"))
+    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if args.resume:  # the learner resumes exactly; collectors draw fresh prompts

@@ -13,12 +13,13 @@ import re
 import gymnasium
 import torch
 
-from leanrl.cli import UsageError, require_extra
+from leanrl.cli import UsageError, import_user_module, require_extra
 
 SUPPORTED = (
     "Atari: 'ALE/<Game>-v5' or '<Game>NoFrameskip-v4', e.g. 'ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'; "
     "gymnasium/MuJoCo: any registered id, e.g. 'HalfCheetah-v5', 'Hopper-v5', 'Pendulum-v1', 'CartPole-v1'; "
-    "on-device torch: 'torch/CartPole-v1', 'torch/Pendulum-v1'"
+    "on-device torch: 'torch/CartPole-v1', 'torch/Pendulum-v1'; "
+    "your own gymnasium env: 'module:EnvId', the module registering EnvId when imported"
 )
 
 
@@ -32,7 +33,9 @@ def check_recordable(env_id: str) -> None:
 
 
 def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_folder=None, **kwargs):
-    """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). kwargs go to the family:
+    """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). `module:EnvId` (gymnasium's
+    form) imports the module first, from the Python path or the launch directory, to register EnvId. kwargs go to
+    the family:
     Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
     gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state).
     `video_folder` (a folder, made if missing): sub-env 0 renders rgb_array frames and gymnasium's RecordVideo
@@ -40,6 +43,14 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
     rewards and episode statistics for the same seed). Atari then runs on gymnasium's ALE envs (AtariVectorEnv cannot
     render: see envs/atari.py); the torch/ envs do not render."""
     device = torch.device(device)
+    if ":" in env_id:  # gymnasium's `module:EnvId`, imported in every process that makes the env
+        module, _, env_id = env_id.partition(":")
+        try:
+            import_user_module(module)
+        except ImportError as e:
+            raise UsageError(f"--env-id {module}:{env_id}: cannot import {module!r} ({e})") from None
+        if env_id not in gymnasium.registry:
+            raise UsageError(f"--env-id {module}:{env_id}: importing {module!r} registered no {env_id!r}")
     if video_folder is not None:
         if not isinstance(video_folder, (str, os.PathLike)):
             raise TypeError(f"video_folder must be a path (str or os.PathLike), got {type(video_folder).__name__}")

@@ -9,12 +9,11 @@ completion, for the supervised warm start that teaches a tiny model the answer f
 these: its repr (its settings) keys the cached warm start (another class's name does).
 """
 
-import importlib
-import os
 import random
 import re
-import sys
 from dataclasses import dataclass
+
+from leanrl.cli import import_user_module
 
 DIGITS = "0123456789"
 
@@ -171,10 +170,8 @@ def make_task(name: str, **kwargs):
     A bad name is a ValueError that says why."""
     if ":" in name:
         module, _, cls_name = name.partition(":")
-        if os.getcwd() not in sys.path:  # appended: nothing there shadows an installed package
-            sys.path.append(os.getcwd())
         try:
-            cls = getattr(importlib.import_module(module), cls_name)
+            cls = getattr(import_user_module(module), cls_name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"--task {name!r}: cannot import it ({e})") from None
     elif name in TASKS:
@@ -189,8 +186,3 @@ def make_task(name: str, **kwargs):
     if missing:
         raise ValueError(f"--task {name!r}: has no {' and no '.join(missing)} method (see envs/llm_tasks.py)")
     return task
-
-
-def task_label(name: str) -> str:
-    """A task's name fit for a directory's: `module:Class` -> `module.Class`."""
-    return name.replace(":", ".")

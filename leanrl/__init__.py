@@ -10,12 +10,12 @@ _MODULE_OF = {
     **dict.fromkeys(["WARMUP", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "accelerate", "compiling_on_cpu",
                      "gradient_step", "load_optimizer_state", "make_adam", "sync_cuda", "wrap_flags"], "acceleration"),
     **dict.fromkeys(["CheckpointError", "load_checkpoint", "save_checkpoint", "save_on_interrupt"], "checkpoint"),
-    **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit", "require_extra"], "cli"),
+    **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit", "import_user_module", "require_extra"], "cli"),
     **dict.fromkeys(["crossings", "evaluate"], "evaluation"),
     "TorchVectorEnv": "gym_adapter",
     "Logger": "logger",
-    **dict.fromkeys(["RunArgs", "check_flags", "make_run_dir", "resolve_device", "restore_envs", "seed_everything"],
-                    "run"),
+    **dict.fromkeys(["RunArgs", "check_flags", "make_run_dir", "path_safe", "resolve_device", "restore_envs",
+                     "seed_everything"], "run"),
 }
 __all__ = list(_MODULE_OF)
 

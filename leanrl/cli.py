@@ -6,6 +6,7 @@ leanrl.plot`, `scripts/plan_layout.py`) start without paying its import."""
 import atexit
 import contextlib
 import gc
+import importlib
 import importlib.util
 import os
 import signal
@@ -34,6 +35,14 @@ def require_extra(what: str, module: str, extra: str):
     anything is built."""
     if importlib.util.find_spec(module) is None:
         raise missing_extra(what, module, extra)
+
+
+def import_user_module(name: str):
+    """Import `name`, a module of the user's (a GRPO task, a gymnasium env's registration), from the Python path or
+    else the directory the run was launched from: a script's own directory, not that one, heads sys.path."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # after the rest: nothing there shadows an installed package
+    return importlib.import_module(name)
 
 
 class Terminated(KeyboardInterrupt):

@@ -94,13 +94,18 @@ def restore_envs(envs, env_state, saved_obs, seed: int):
     return envs.reset(seed=seed)
 
 
+def path_safe(name: str) -> str:
+    """`name` as one component of a path: `ALE/Breakout-v5` -> `ALE-Breakout-v5`, `module:Class` -> `module.Class`."""
+    return name.replace("/", "-").replace(":", ".")
+
+
 def make_run_dir(args: RunArgs, env_id: str) -> str:
     """`runs/<env>__<exp>__<seed>__<time>`, created here, or the directory of the checkpoint being resumed. Runs
     that start in the same second with the same name (a sweep launched in parallel) each get a directory of their
     own: `<time>-2`, `<time>-3`, ... (before, they shared one: interleaved metrics, one checkpoint)."""
     if args.resume:
         return os.path.dirname(os.path.abspath(args.resume))
-    base = os.path.join(args.run_dir, f"{env_id.replace('/', '-')}__{args.exp_name}__{args.seed}__{int(time.time())}")
+    base = os.path.join(args.run_dir, f"{path_safe(env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}")
     os.makedirs(args.run_dir, exist_ok=True)
     for n in itertools.count(1):
         path = base if n == 1 else f"{base}-{n}"

@@ -208,6 +208,28 @@ def test_unknown_env_id_lists_families():
             assert example in str(err.value) and env_id in str(err.value)
 
 
+def test_your_own_gymnasium_env_by_module_and_id(tmp_path, monkeypatch):
+    """gymnasium's `module:EnvId`: the module (here in the launch directory, as a user's would be) is imported and
+    registers the env; a module that cannot be imported, or registers no such id, is a clear error."""
+    (tmp_path / "my_envs.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('ShortCartPole-v0', entry_point='gymnasium.envs.classic_control.cartpole:CartPoleEnv',\n"
+        "             max_episode_steps=20)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_envs", raising=False)
+    monkeypatch.delitem(gym.registry, "ShortCartPole-v0", raising=False)
+    envs = make_env("my_envs:ShortCartPole-v0", 2, seed=0)
+    assert gym.spec("ShortCartPole-v0").max_episode_steps == 20 and envs.single_action_space.n == 2
+    envs.reset()
+    assert envs.step(torch.zeros(2, dtype=torch.long))["reward"].tolist() == [1.0, 1.0]
+    envs.close()
+    with pytest.raises(ValueError, match="my_envs:Nope-v0: importing 'my_envs' registered no 'Nope-v0'"):
+        make_env("my_envs:Nope-v0", 1)
+    with pytest.raises(ValueError, match=r"no_such_module:Env-v0: cannot import 'no_such_module' \(No module named"):
+        make_env("no_such_module:Env-v0", 1)
+
+
 def test_missing_optional_dependency_names_the_extra():
     code = """
 import sys
