@@ -128,15 +128,15 @@ class AtariQNetwork(nn.Module):
 
 def make_q_network(observation_space, action_space, device=None):
     if not hasattr(action_space, "n"):
-        raise ValueError(f"DQN needs a discrete action space; got {action_space} "
+        raise leanrl.UsageError(f"DQN needs a discrete action space; got {action_space} "
                          "(use TD3 or SAC for continuous actions)")
     shape = observation_space.shape
     if len(shape) == 3:
         if tuple(shape) != (4, 84, 84):
-            raise ValueError(f"DQN's CNN reads (4, 84, 84) frame stacks; got {shape}")
+            raise leanrl.UsageError(f"DQN's CNN reads (4, 84, 84) frame stacks; got {shape}")
         return AtariQNetwork(int(action_space.n), device).to(memory_format=torch.channels_last)  # see ppo.make_agent
     if len(shape) != 1:
-        raise ValueError(f"DQN reads flat observations or (4, 84, 84) frame stacks; got shape {shape}")
+        raise leanrl.UsageError(f"DQN reads flat observations or (4, 84, 84) frame stacks; got shape {shape}")
     return QNetwork(shape[0], int(action_space.n), device)
 
 

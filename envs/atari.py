@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from leanrl.cli import missing_extra, require_extra
+from leanrl.cli import UsageError, missing_extra, require_extra
 from leanrl.gym_adapter import to_device
 
 from .gym import RecordEndedEpisodes
@@ -58,7 +58,7 @@ class AtariEnv:
         rom_ids = {rom_id_to_name(rom): rom for rom in roms.get_all_rom_ids()}
         if game not in rom_ids:
             close = difflib.get_close_matches(game, rom_ids, n=5)
-            raise ValueError(f"Unknown Atari game {game!r}: ale-py has no such ROM (close matches: {close})")
+            raise UsageError(f"Unknown Atari game {game!r}: ale-py has no such ROM (close matches: {close})")
         repeat_action_probability = 0.25 if sticky_actions else 0.0
         if video_folder is not None:
             self.env = _recording_vector_env(game, num_envs, video_folder, repeat_action_probability, **ale_kwargs)

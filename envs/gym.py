@@ -23,7 +23,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
-from leanrl.cli import MissingExtra, missing_extra
+from leanrl.cli import MissingExtra, UsageError, missing_extra
 from leanrl.gym_adapter import TorchVectorEnv
 
 
@@ -46,7 +46,7 @@ class GymEnv(TorchVectorEnv):
             raise
         space, action_space = env.single_observation_space, env.single_action_space
         if not isinstance(space, gym.spaces.Box):
-            raise ValueError(f"{env_id} has a {type(space).__name__} observation space; only Box is supported")
+            raise UsageError(f"{env_id} has a {type(space).__name__} observation space; only Box is supported")
         continuous = isinstance(action_space, gym.spaces.Box)
         normalize_obs = continuous if normalize_obs is None else normalize_obs
         normalize_reward = continuous if normalize_reward is None else normalize_reward

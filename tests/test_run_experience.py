@@ -334,6 +334,21 @@ def test_off_policy_capture_video_films_every_evaluation_and_a_finished_run(tmp_
     assert [r["global_step"] for r in rows if "charts/eval_return" in r] == [100, 200, 200]
 
 
+@pytest.mark.parametrize("script, env_id, message", [
+    ("ppo_atari.py", "ALE/Breakoutt-v5", "Unknown Atari game 'Breakoutt': ale-py has no such ROM (close matches: "
+                                         "['Breakout'])"),
+    ("ppo_continuous.py", "Blackjack-v1", "Blackjack-v1 has a Tuple observation space; only Box is supported"),
+    ("dqn_cartpole.py", "Pendulum-v1", "DQN needs a discrete action space; got Box(-2.0, 2.0, (1,), float32)"),
+    ("td3_continuous.py", "my_envs:Nope-v0", "--env-id my_envs:Nope-v0: cannot import 'my_envs'")])
+def test_an_env_the_script_cannot_train_on_is_one_line(script, env_id, message, tmp_path):
+    if script == "ppo_atari.py":
+        pytest.importorskip("ale_py")
+    proc = run_script(script, ["--env-id", env_id, "--learning-starts", "10"] if "dqn" in script else
+                      ["--env-id", env_id], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr[-3000:]
+    assert len(proc.stderr.splitlines()) == 1 and os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("script", ["ppo_cartpole.py", "dqn_cartpole.py"])
 def test_capture_video_of_a_torch_env_is_one_line_before_anything_is_built(script, tmp_path):
     proc = run_script(script, ["--capture-video"], tmp_path)
