@@ -100,6 +100,9 @@ class Args(leanrl.RunArgs):
     """token-level loss over the batch: mean over tokens, mean of per-sequence means, or sum / (batch * max_len)"""
     kl_coef: float = 0.0
     """weight of the k3 KL to a frozen copy of the initial policy (0: no reference model)"""
+    chat_template: bool = False
+    """each prompt as a user message in the tokenizer's chat template, the assistant's turn opened: instruct
+    models, with tasks whose prompts are prose (the built-in tasks' terse prompts are taught by the warm start)"""
     sft_steps: int = 100
     """supervised warm-start steps on the task's demonstrations (0: none); cached under run_dir/warm_start"""
     sft_batch: int = 64
@@ -388,17 +391,26 @@ def batch_metrics(batch, data, rewards, live, version, group_size, max_lag) -> d
 
 
 # ---------------------------------------------------------------------------- prompts, rewards, the model
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text)["input_ids"]
+def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """A prompt's token ids; `chat`: the text as a user message in the tokenizer's chat template, the assistant's
+    turn opened (--chat-template)."""
+    if not chat:
+        return tokenizer(text)["input_ids"]
+    if not tokenizer.chat_template:
+        raise leanrl.UsageError("--chat-template: the model's tokenizer has no chat template (tokenizer_config.json's "
+                                "chat_template)")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
 
 
 class PromptStream:
     """Prompts number start, start + stride, ... of the task's fixed stream, encoded, as the sampler pulls
     them: `(prompt_id, tokens)`. A prompt id is the problem's index, so a verifier anywhere can rebuild the
-    problem from it; `next_index` is what a checkpoint keeps."""
+    problem from it; `next_index` is what a checkpoint keeps. `chat`: as in `encode`."""
 
-    def __init__(self, task, tokenizer, seed: int, start: int = 0, stride: int = 1):
+    def __init__(self, task, tokenizer, seed: int, start: int = 0, stride: int = 1, chat: bool = False):
         self.task, self.tokenizer, self.seed, self.next_index, self.stride = task, tokenizer, seed, start, stride
+        self.chat = chat
 
     def __iter__(self):
         return self
@@ -406,20 +418,20 @@ class PromptStream:
     def __next__(self):
         index = self.next_index
         self.next_index += self.stride
-        return index, encode(self.tokenizer, self.task.problem(index, self.seed).prompt)
+        return index, encode(self.tokenizer, self.task.problem(index, self.seed).prompt, self.chat)
 
 
 HELD_OUT_SEED = -1000  # the problems evaluations draw; training draws with --seed
 
 
 def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size: int, version: int = 0,
-                        seed: int = 0) -> float:
+                        seed: int = 0, chat: bool = False) -> float:
     """Mean score of `group_size` completions of each of the first `len(batch) // group_size` held-out problems
     (the same ones at every call), sampled by `sampler` into `batch` with draws from `seed` (`sampler.seeded`: the
     same weights score the same). `version`: that of the weights `sampler` reads (a new one makes it pack them
-    again, or push them into its vLLM engine). Reads the scores on the host."""
+    again, or push them into its vLLM engine). `chat`: as in `encode`. Reads the scores on the host."""
     with sampler.seeded(seed):
-        sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED), group_size=group_size,
+        sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED, chat=chat), group_size=group_size,
                      step_boundary=lambda: version, carry_over=False)
     return float(score(task, tokenizer, batch.cpu(), HELD_OUT_SEED).mean())
 
@@ -428,7 +440,7 @@ def held_out_evaluation(sampler, task, tokenizer, args: Args):
     """evaluate(version) -> the held-out solve rate of `sampler` on `--eval-prompts` problems (held_out_solve_rate)."""
     batch = sampler.make_batch(args.eval_prompts * args.group_size)
     return lambda version: held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version,
-                                               args.seed + 10_000)
+                                               args.seed + 10_000, args.chat_template)
 
 
 def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
@@ -444,15 +456,15 @@ def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
     return torch.tensor(rewards)
 
 
-def demonstrations(task, tokenizer, indices, seed: int, max_len: int):
+def demonstrations(task, tokenizer, indices, seed: int, max_len: int, chat: bool = False):
     """Prompt + demonstration + EOS per problem, right-padded to max_len, the mask of the completion, and each
-    sequence's length."""
+    sequence's length. `chat`: as in `encode`."""
     tokens = torch.full((len(indices), max_len), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
     lengths = []
     for row, index in enumerate(indices):
         problem = task.problem(index, seed)
-        prompt = encode(tokenizer, problem.prompt)
+        prompt = encode(tokenizer, problem.prompt, chat)
         completion = tokenizer(problem.demonstration, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seq = (prompt + completion)[:max_len]
         tokens[row, :len(seq)] = torch.tensor(seq)
@@ -469,7 +481,7 @@ def warm_start(model, tokenizer, task, args: Args, device):
     n = args.sft_batch
     for step in trange(args.sft_steps, desc="warm start", disable=not args.progress):
         tokens, mask, lengths = demonstrations(task, tokenizer, range(step * n, (step + 1) * n), -1 - args.seed,
-                                               args.max_len)
+                                               args.max_len, args.chat_template)
         data = TensorDict(tokens=tokens, completion_mask=mask, weights=mask / mask.sum(), batch_size=tokens.shape)
         rows = gather_rows(data, pack_tokens(range(n), lengths, args.max_len, 1, packed=True)).to(device)
         logp, _ = token_logprobs(model, rows["tokens"], 1.0, rows["position_ids"])
@@ -497,7 +509,7 @@ def prepare_model(args: Args, task, device) -> str:
         return base
     settings = repr(task) if dataclasses.is_dataclass(task) else args.task  # not an address that differs every run
     key = json.dumps([os.path.abspath(base) if os.path.isdir(base) else base, settings, args.sft_steps,
-                      args.sft_batch, args.sft_learning_rate, args.max_len, args.seed])
+                      args.sft_batch, args.sft_learning_rate, args.max_len, args.seed, args.chat_template])
     out = os.path.join(cache, "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])
     if not os.path.isfile(os.path.join(out, "config.json")):
         # in float32 whatever --dtype is: bfloat16 weights would round most of its steps away (see Learner)
@@ -558,6 +570,8 @@ def load_policy(args: Args, device, model_dir: str | None = None):
     task = make_task(args.task)
     model_dir = model_dir or prepare_model(args, task, device)
     model, tokenizer = load_model(model_dir, device=device, dtype=getattr(torch, args.dtype))
+    if args.chat_template:
+        encode(tokenizer, "", chat=True)  # no chat template: the error here, not in a collector
     return task, model, tokenizer, model_dir
 
 
@@ -618,7 +632,8 @@ def train(args: Args) -> dict:
     sampler = make_sampler(model, tokenizer, args, model_dir, seed=args.seed + rank)
     B = args.num_prompts * args.group_size
     batch = sampler.make_batch(B // world)
-    prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world)  # rank r: prompts r, r + N, ...
+    # rank r: prompts r, r + N, ...
+    prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world, chat=args.chat_template)
     num_iterations = args.total_timesteps // B
     run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")

@@ -70,7 +70,7 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, 
                                 recompute_kv=args.recompute_kv, seed=args.seed + 1 + ctx.rank)
     # Stream s is prompts offset + s, offset + s + n, ...: streams never overlap and are the same every run.
     prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + first_stream + ctx.rank,
-                                stride=num_streams or args.num_collectors)
+                                stride=num_streams or args.num_collectors, chat=args.chat_template)
     for batch in ctx.batches(sampler.params, batch_template(sampler, args)):
         stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=ctx.step_boundary,
                              min_version=ctx.min_version, carry_over=not args.deterministic,

@@ -369,6 +369,28 @@ def test_a_task_of_your_own_runs_by_its_import_path_sync_and_in_collector_proces
         grpo.train(grpo.Args(run_dir="runs", task="my_tasks:Unspelled", **small))
 
 
+def test_chat_template_wraps_every_prompt_as_a_user_message(tmp_path):
+    """--chat-template: training, evaluation and warm-start prompts are the tokenizer's chat template around the
+    task's text, the assistant's turn opened; a tokenizer without one is a clear error."""
+    from leanrl.llm import char_tokenizer, save_tiny_model
+    tok = char_tokenizer(Arithmetic().alphabet + "<>")
+    tok.chat_template = ("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
+    model_dir = save_tiny_model(str(tmp_path / "chat"), tok)
+    args = grpo.Args(run_dir=str(tmp_path), model_path=model_dir, chat_template=True, total_timesteps=32,
+                     eval_every=1, eval_prompts=8, **{**SMALL, "sft_steps": 2})
+    task, _, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    index, prompt = next(grpo.PromptStream(task, tokenizer, args.seed, chat=True))
+    assert tokenizer.decode(prompt) == f"<{task.problem(index, args.seed).prompt}>="
+    tokens, mask, _ = grpo.demonstrations(task, tokenizer, [0], -2, args.max_len, chat=True)
+    prompt_text = tokenizer.decode(tokens[0][~mask[0]], skip_special_tokens=True)
+    assert prompt_text.startswith(f"<{task.problem(0, -2).prompt}>=")
+    last = grpo.train(args)
+    assert 0 <= last["charts/eval_solve_rate"] <= 1
+    with pytest.raises(leanrl.UsageError, match="--chat-template: the model's tokenizer has no chat template"):
+        grpo.train(grpo.Args(run_dir=str(tmp_path), chat_template=True, **SMALL))
+
+
 def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
     from leanrl.algorithms import grpo_async
     with pytest.raises(ValueError, match="--deterministic needs --transport processes"):
