@@ -129,7 +129,7 @@ class AtariQNetwork(nn.Module):
 def make_q_network(observation_space, action_space, device=None):
     if not hasattr(action_space, "n"):
         raise leanrl.UsageError(f"DQN needs a discrete action space; got {action_space} "
-                         "(use TD3 or SAC for continuous actions)")
+                                "(use TD3 or SAC for continuous actions)")
     shape = observation_space.shape
     if len(shape) == 3:
         if tuple(shape) != (4, 84, 84):
