@@ -24,6 +24,7 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
 
     `compile` uses torch.compile's default mode, so the four modes (eager, compile, cudagraphs, both)
     measure four distinct things; `compile_kwargs` are more of its keywords, for a function that needs its own.
+    On a CPU a one-graph compile (`fullgraph=True`) saves its trace for the next run to load (`leanrl.precompiled`).
     `cudagraphs` needs fixed shapes: every later call must pass tensors of the shape, dtype and device of
     the first call, or a `ShapeChangeError` is raised (even on CPU, where no graph is captured, so a run
     behaves the same on every machine).
@@ -33,7 +34,13 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
         _raise_recompile_limit()
         if torch.device(device).type == "cpu":
             _trust_vec_isa_probed_before()
-        fn = torch.compile(fn, **(compile_kwargs or {}))
+        compile_kwargs = compile_kwargs or {}
+        if torch.device(device).type == "cpu" and compile_kwargs.get("fullgraph"):
+            from leanrl.precompiled import Precompiled  # here: it imports this module
+
+            fn = Precompiled(fn, compile_kwargs, name)
+        else:
+            fn = torch.compile(fn, **compile_kwargs)
         if torch.device(device).type == "cuda":
             fn = _compiles_in_any_thread(fn)
     if not cudagraphs:
