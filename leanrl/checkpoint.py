@@ -6,7 +6,7 @@ import os
 import random
 import signal
 import threading
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 
 import numpy as np
 import torch
@@ -62,16 +62,23 @@ def save_checkpoint(path: str, state: dict, args=None) -> None:
             os.remove(tmp)
 
 
+def _defaults(args) -> dict:
+    return {f.name: f.default if f.default_factory is MISSING else f.default_factory()
+            for f in fields(args) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
 def check_resumable(path: str, state: dict, args, may_change=()) -> None:
     """Refuse a checkpoint of another algorithm, or of a run whose flags differ from `args` other than in
-    HARMLESS_FLAGS and the algorithm's own `may_change`, in one line that lists the differences."""
+    HARMLESS_FLAGS and the algorithm's own `may_change`, in one line that lists the differences. A flag the
+    checkpoint does not hold (written before the flag existed) counts as its default."""
     if "args" not in state:
         return  # written without flags: nothing to compare
     algorithm = algorithm_of(args)
     if state["algorithm"] != algorithm:
         raise CheckpointError(f"--resume {path}: a {state['algorithm']} checkpoint (run "
                               f"{state['args'].get('exp_name')!r}), not one of {algorithm}")
-    saved, now = state["args"], asdict(args)
+    # A flag added after the checkpoint was written: its run had the flag's default behaviour.
+    saved, now = {**_defaults(args), **state["args"]}, asdict(args)
     changed = [k for k in sorted(set(now) | set(saved))
                if k not in HARMLESS_FLAGS | set(may_change) and now.get(k) != saved.get(k)]
     if not changed:

@@ -128,6 +128,19 @@ def test_a_checkpoint_of_another_script_or_algorithm_is_one_line(finished_cartpo
         leanrl.load_checkpoint(path, ppo_async.Args())
 
 
+def test_a_checkpoint_written_before_a_flag_existed_resumes_with_its_default(tmp_path):
+    """Every flag added to an algorithm (e.g. GRPO's --chat-template) refused the checkpoints written before it:
+    the saved value was missing, not the default. Now missing counts as the default, and only a change is refused."""
+    path = str(tmp_path / "old.pt")
+    leanrl.save_checkpoint(path, {"iteration": 1}, td3.Args())
+    state = torch.load(path, weights_only=False)
+    del state["args"]["policy_noise"]  # as if written before the flag existed
+    torch.save(state, path)
+    assert leanrl.load_checkpoint(path, td3.Args())["iteration"] == 1
+    with pytest.raises(leanrl.CheckpointError, match=r"--policy-noise 0\.2 -> 0\.3"):
+        leanrl.load_checkpoint(path, td3.Args(policy_noise=0.3))
+
+
 def test_a_write_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
     path = str(tmp_path / "checkpoint.pt")
     leanrl.save_checkpoint(path, {"iteration": 1})
