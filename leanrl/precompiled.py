@@ -121,19 +121,19 @@ class Precompiled:
     def __init__(self, fn, compile_kwargs: dict, name: str):
         self.fn, self.compile_kwargs, self.name = fn, compile_kwargs, name
         self.compiled = None  # the AOT-compiled function, once the first call has loaded or traced it
-        self.fallback = None  # torch.compile's, for calls the trace's guards reject
+        self.fallback = torch.compile(fn, **compile_kwargs)  # for calls the trace's guards reject; traces when called
         self.loaded = False
+        self._prepared = False
         self._lock = threading.Lock()
 
     def __call__(self, *args):
-        if self.compiled is None and self.fallback is None:
+        if not self._prepared:
             with self._lock:
-                if self.compiled is None and self.fallback is None:
+                if not self._prepared:
                     self._prepare(args)
+                    self._prepared = True
         if self.compiled is not None and self.compiled.guard_check(*args):
             return self.compiled(*args)
-        if self.fallback is None:
-            self.fallback = torch.compile(self.fn, **self.compile_kwargs)
         return self.fallback(*args)
 
     def _prefix(self, args) -> str:
@@ -163,7 +163,6 @@ class Precompiled:
 
     def _prepare(self, args):
         if not available():
-            self.fallback = torch.compile(self.fn, **self.compile_kwargs)
             return
         prefix, objects = self._prefix(args), _closure_objects(self.fn, self.name, {}, set())
         for path in sorted(glob.glob(f"{glob.escape(prefix)}-*.bin"), key=os.path.getmtime, reverse=True):
@@ -189,7 +188,7 @@ class Precompiled:
                 self._trace_and_save(args, prefix, objects)
             except Exception as e:  # noqa: BLE001 (an error of the function itself is raised again by the fallback)
                 _say_once(f"leanrl: {self.name}: compiled without saving its trace ({type(e).__name__}: {e})")
-                self.compiled, self.fallback = None, torch.compile(self.fn, **self.compile_kwargs)
+                self.compiled = None
                 return
         self.compiled.disable_guard_check()  # checked in __call__, which falls back rather than raising
 
