@@ -141,7 +141,6 @@ def train(args: Args, collector=grpo_collector) -> dict:
                                           state)
     C = args.num_collectors
     fn_args = (share, model_dir, collector_device, iteration * B, rank * C, world * C)
-    sampled_tokens, t_start = 0.0, time.perf_counter()
     with logger, interrupt, leanrl.pipeline.start(args.transport, C, collector, fn_args, template,
                                                   from_module(model).data, **settings) as trainer:
         while iteration < num_iterations:
@@ -152,9 +151,10 @@ def train(args: Args, collector=grpo_collector) -> dict:
             update_time = time.perf_counter() - t0
             trainer.publish()
             stats = dict(zip(STATS, batch["sampler_stats"][0].tolist()))
-            sampled_tokens += stats["sampled_tokens"]
-            metrics.update({"perf/sampled_tokens_per_s": sampled_tokens / (time.perf_counter() - t_start),
+            # The collector's own speed, as in sync GRPO; the run's, pauses included, is charts/SPS.
+            metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
                             "perf/trained_tokens_per_s": float(batch["completion_length"].sum()) / update_time,
+                            "perf/sample_time": stats["time_s"],
                             "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
                             "perf/decode_steps": stats["decode_steps"], "perf/update_time": update_time,
                             **trainer.stats.summary()})

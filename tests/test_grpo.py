@@ -551,6 +551,7 @@ def test_async_never_exceeds_max_lag_on_any_token_under_random_delays(max_lag, r
     rows, _ = _rows(run_dir, f"lag{max_lag}")
     assert len(rows) == 6
     for r in rows:
+        assert all(k in r for k in METRICS) and r["perf/sample_time"] > 0  # the collector's speed, as in sync
         assert 0 <= r["lag/token_min"] <= r["lag/token_max"] <= max_lag
         assert sum(r[f"lag/sequence_hist_{k}"] for k in range(max_lag + 1)) == 32
     if max_lag:  # in-flight updates happened: some tokens were sampled by older weights than the trainer's
