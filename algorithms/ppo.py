@@ -533,11 +533,10 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
 
     # With --graph-iteration the phases are only compiled: one outer graph captures them all.
     wrap["cudagraphs"] = args.cudagraphs and not args.graph_iteration
-    act, get_value = make_acting(agent_inference, envs, args, wrap)
     if leanrl.compiling_on_cpu(wrap) and envs.on_device:  # a CPU has no graphs: one scan
         collect = make_scanned_rollout(agent_inference, envs, args, wrap)
     else:
-        collect = functools.partial(rollout, act, get_value, envs, args=args)
+        collect = functools.partial(rollout, *make_acting(agent_inference, envs, args, wrap), envs, args=args)
     gae_fn = make_gae(args, wrap)
     learn = make_learn(agent, optimizer, args, wrap)
     storage = make_storage(envs, args, device)
