@@ -9,6 +9,7 @@ The worker loads what it receives with vLLM's layerwise reload, as vLLM's own en
 linear weights at load time, so copying into the engine's modules in place would silently do nothing.
 """
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -136,5 +137,12 @@ class Registered:
     safetensors engine in the worker's process. It adds no method to the worker."""
 
 
+def _not_rope(record: logging.LogRecord) -> bool:
+    """vLLM 0.32's layerwise reload counts RoPE's cos/sin cache as a weight, finds it in no checkpoint, warns
+    "RotaryEmbedding: Failed to load weights" at every update and puts the same cache back: a false alarm."""
+    return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_not_rope)
 WeightTransferEngineFactory.register_engine(SAFETENSORS, SafetensorsWeightTransferEngine)
 WeightTransferTrainerFactory.register_engine(SAFETENSORS, SafetensorsTrainerWeightTransferEngine)
