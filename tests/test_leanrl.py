@@ -269,7 +269,7 @@ def test_vec_isa_check_runs_once_per_inductor_cache(tmp_path, monkeypatch):
     record = tmp_path / f"leanrl-vec-isa-ok-{torch.__version__}"
     for expect_check in (True, False, "tampered"):
         if expect_check == "tampered":
-            record.write_text("avx2")
+            record.write_text("not-an-isa")  # not "avx2": an AVX2-only CPU's real record (it failed on one)
         # config.patch, not monkeypatch: on torch 2.11 monkeypatch's undo deletes the entry, failing later compiles
         with config.patch({"cpp.vec_isa_ok": None}):
             checks.clear()
