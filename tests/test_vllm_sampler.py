@@ -97,12 +97,12 @@ def test_in_flight_update(setup, recompute_kv):
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = warnings.append
-    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    reload_logger.addHandler(handler)
+    from vllm.model_executor.model_loader.reload import layerwise
+    layerwise.logger.addHandler(handler)
     try:
         check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
     finally:
-        reload_logger.removeHandler(handler)
+        layerwise.logger.removeHandler(handler)
     assert [r.getMessage() for r in warnings] == []
 
 

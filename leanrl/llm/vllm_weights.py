@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer import (ParamMeta, TrainerWeightTransferEn
                                               WeightTransferEngine, WeightTransferEngineFactory,
                                               WeightTransferTrainerFactory)
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.model_executor.model_loader.reload import layerwise
 
 SAFETENSORS = "leanrl_safetensors"
 
@@ -143,6 +144,6 @@ def _not_rope(record: logging.LogRecord) -> bool:
     return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_not_rope)
+layerwise.logger.addFilter(_not_rope)
 WeightTransferEngineFactory.register_engine(SAFETENSORS, SafetensorsWeightTransferEngine)
 WeightTransferTrainerFactory.register_engine(SAFETENSORS, SafetensorsTrainerWeightTransferEngine)
