@@ -15,6 +15,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 from tensordict import from_module  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 from transformers_compat import with_cache  # noqa: E402
+from vllm.model_executor.model_loader.reload import layerwise  # noqa: E402
 
 from leanrl.llm import char_tokenizer, load_model, save_tiny_model  # noqa: E402
 from leanrl.llm.vllm_sampler import VLLMSampler  # noqa: E402
@@ -97,7 +98,6 @@ def test_in_flight_update(setup, recompute_kv):
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = warnings.append
-    from vllm.model_executor.model_loader.reload import layerwise
     layerwise.logger.addHandler(handler)
     try:
         check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
@@ -119,13 +119,14 @@ def engine_process_sampler(tok, tmp_path, monkeypatch):
     return sampler
 
 
-@pytest.mark.parametrize("recompute_kv", [False, True])
-def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch, recompute_kv):
+def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch):
     """The same with vLLM's default engine, a process of its own that steps its requests by itself: held while the
-    weights change (an update is several calls into it), it samples what the in-process engine does."""
+    weights change (an update is several calls into it), it samples what the in-process engine does. Both KV modes
+    on one engine (a start compiles the model: ~20 s here)."""
     tok, _, model_a, model_b = setup
     sampler = engine_process_sampler(tok, tmp_path, monkeypatch)
-    check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
+    for recompute_kv in (False, True):
+        check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
 
 
 def test_an_engine_that_dies_during_an_update_is_a_clear_error(setup, tmp_path, monkeypatch):
