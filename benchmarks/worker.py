@@ -63,17 +63,20 @@ class Run:
         self.result = dict(status="ok", calls={})
         for fn_name, (fn, args) in self.calls.items():
             cache, graphs = dict(counters["inductor"]), counters["stats"]["unique_graphs"]
+            loaded = counters["leanrl"]["traces_loaded"]
             first = [timed(fn, args, device) for _ in range(leanrl.WARMUP + 1)]
             c = self.result["calls"][fn_name] = dict(
                 first_calls_s=first, input_shapes=[list(a.shape) for a in args if isinstance(a, torch.Tensor)])
-            # compiled: the function itself, or graphs it calls (a CPU's one-graph gradient steps)
-            compiled = (hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable")
-                        or counters["stats"]["unique_graphs"] > graphs)
-            if compile and not compiled:
+            # compiled: the function itself, or graphs it calls (a CPU's one-graph gradient steps), traced now or
+            # loaded from an earlier run (leanrl.precompiled: no new graph, no inductor counter moves)
+            traced = counters["stats"]["unique_graphs"] > graphs
+            trace_loaded = counters["leanrl"]["traces_loaded"] > loaded
+            if compile and not (hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable") or traced
+                                or trace_loaded):
                 c["kept_eager"] = True  # --compile keeps it eager on this device (see leanrl.wrap_flags)
             elif compile:
-                c["compile_s"] = first[0]  # dynamo and inductor run inside the first call
-                c["inductor_cache"] = cache_state(cache)
+                c["compile_s"] = first[0]  # tracing and compiling, or loading a trace, happen in the first call
+                c["inductor_cache"] = "trace loaded" if trace_loaded and not traced else cache_state(cache)
             if self.graphs:
                 c["capture_s"] = first[leanrl.WARMUP - 1]
             log(f"  {name} {mode} {fn_name}: first calls " + ", ".join(f"{t:.3g}" for t in first) + " s")

@@ -34,6 +34,7 @@ import types
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.aot_compile import AOTCompiledFunction
+from torch._dynamo.utils import counters
 
 from leanrl.acceleration import _say_once
 
@@ -182,6 +183,7 @@ class Precompiled:
                         os.remove(path)
                     continue
                 self.loaded = True
+                counters["leanrl"]["traces_loaded"] += 1  # how benchmarks/worker.py tells a loaded trace from eager
                 break
         else:
             try:

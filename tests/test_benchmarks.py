@@ -10,13 +10,15 @@ import sys
 import pytest
 import torch
 
+from leanrl import precompiled
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("eager", "compile", "cudagraphs", "compile+cudagraphs")
 
 
-def bench(*flags, script="run.py"):
+def bench(*flags, script="run.py", env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *flags], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+                          text=True, timeout=600, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +110,24 @@ def test_readme_section_is_regenerated_between_the_markers_only(out, tmp_path):
     readme.write_text("no markers\n")
     proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
     assert proc.returncode != 0 and "bench:start" in proc.stderr and readme.read_text() == "no markers\n"
+
+
+@pytest.mark.skipif(not precompiled.available(), reason="this torch cannot save compiled traces")
+def test_a_warm_start_that_loads_its_trace_is_reported_as_such_not_as_eager(tmp_path):
+    """DQN's update on a CPU under --compile is one graph whose trace a second run loads (leanrl.precompiled): no
+    new graph, no inductor counter moves; the table said "kept eager here"."""
+    rows = []
+    for run in ("cold", "warm"):
+        proc = bench("--quick", "--algos", "dqn_cartpole", "--modes", "compile", "--threads", "1", "--out",
+                     str(tmp_path / run), env=dict(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        update = json.loads((tmp_path / run / "results.json").read_text())["algos"]["dqn_cartpole"]["modes"][
+            "compile"]["calls"]["update"]
+        assert "kept_eager" not in update and update["compile_s"] > 0
+        rows.append(update["inductor_cache"])
+    assert rows == ["cold", "trace loaded"]
+    table = (tmp_path / "warm" / "dqn_cartpole.md").read_text()
+    assert "(trace loaded)" in table and "update kept eager" not in table
 
 
 def test_unknown_entry_fails_before_measuring():
