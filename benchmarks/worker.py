@@ -71,8 +71,8 @@ class Run:
             # loaded from an earlier run (leanrl.precompiled: no new graph, no inductor counter moves)
             traced = counters["stats"]["unique_graphs"] > graphs
             trace_loaded = counters["leanrl"]["traces_loaded"] > loaded
-            if compile and not (hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable") or traced
-                                or trace_loaded):
+            compiled = hasattr(getattr(fn, "fn", fn), "_torchdynamo_orig_callable") or traced or trace_loaded
+            if compile and not compiled:
                 c["kept_eager"] = True  # --compile keeps it eager on this device (see leanrl.wrap_flags)
             elif compile:
                 c["compile_s"] = first[0]  # tracing and compiling, or loading a trace, happen in the first call
