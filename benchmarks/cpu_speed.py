@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from measure import machine_info  # noqa: E402
+from measure import cpu_line, machine_info  # noqa: E402
 
 # CleanRL ppo.py's defaults, in scripts/ppo_cartpole.py's flags (the reference takes the ones it varies).
 CLEANRL = ["--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "4", "--learning-rate", "2.5e-4",
@@ -109,7 +109,7 @@ def measure(num_envs: int, total: int, runs: list, repeats: int) -> dict:
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [f"## PPO CartPole, {results['total_timesteps']:,} steps, launch to exit ({m['slug']})", "",
-             f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, {results['created']}. Each run is a process of "
+             f"{cpu_line(m)}, {m['cores']} cores, torch {m['torch']}, {results['created']}. Each run is a process of "
              "its own, started one after the other. `start-up`: the wall time outside the steady steps: launch to the "
              "end of the warm-up iterations, compile included, and the end (the last checkpoint; the interpreter's "
              "teardown, which leanrl's scripts skip). `speed-up`: the reference's wall time over the run's. "

@@ -33,7 +33,7 @@ import leanrl
 from leanrl.algorithms import grpo, grpo_async
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import machine_info  # noqa: E402
+from measure import cpu_line, machine_info  # noqa: E402
 
 HELD_OUT_SEEDS = (123, 7, 99)  # sampling seeds of each run's held-out solve rate
 
@@ -155,7 +155,7 @@ def main(bench: Bench):
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump(record, f, indent=1)
 
-    lines = [f"# GRPO async vs sync, heavy-tailed arithmetic ({machine['cpu']}, {machine['cores']} cores, "
+    lines = [f"# GRPO async vs sync, heavy-tailed arithmetic ({cpu_line(machine)}, {machine['cores']} cores, "
              f"commit {machine['commit']})", "",
              f"{bench.iterations} batches of {base.num_prompts} prompts x {base.group_size}; async: {bench.transport}, "
              f"{bench.num_collectors} collector(s) and the trainer, {bench.threads} torch thread(s) each"

@@ -32,7 +32,7 @@ from leanrl.algorithms import grpo  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_async_vs_sync import held_out_solve_rate  # noqa: E402
-from measure import machine_info  # noqa: E402
+from measure import cpu_line, machine_info  # noqa: E402
 
 
 @dataclass
@@ -119,7 +119,7 @@ def write(b: Bench, machine: dict, task, points: list, train_curve: list):
         json.dump(dict(machine=machine, bench=asdict(b), task=repr(task), points=points, train_curve=train_curve,
                        threads=torch.get_num_threads()), f, indent=1)
     where = (f"{machine['gpu']}, CUDA {machine['cuda']}, torch {machine['torch']}" if machine["gpu"] else
-             f"{machine['cpu']}, {machine['cores']} cores")
+             f"{cpu_line(machine)}, {machine['cores']} cores")
     graphs = b.cudagraphs and machine["gpu"] is not None  # on a CPU --cudagraphs falls back to eager
     mode = " + ".join(m for m, on in (("compile", b.compile), ("cudagraphs", graphs)) if on) or "eager"
     lines = [f"# GRPO learning curve: {b.model} on the arithmetic task ({where}, commit {machine['commit']})", "",

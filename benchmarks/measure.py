@@ -109,6 +109,33 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_details() -> str | None:
+    """What tells apart two hosts whose CPUs report the same model name (a VM's "AMD EPYC" covers several):
+    family, model and stepping, the L3 cache, the TSC clock (BogoMIPS / 2, fixed at boot; "cpu MHz" varies)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return None
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    parts = [" ".join(f"{k.split()[-1]} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)]
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            parts.append(f"L3 {f.read().strip()}")
+    except OSError:
+        pass
+    if "bogomips" in fields:
+        parts.append(f"{float(fields['bogomips']) / 2000:.2f} GHz TSC")
+    return ", ".join(p for p in parts if p) or None
+
+
+def cpu_line(machine: dict) -> str:
+    """The CPU as tables name it: model name, and the details that tell apart hosts of one name (older results
+    lack them)."""
+    details = machine.get("cpu_details")
+    return f"{machine['cpu']} ({details})" if details else machine["cpu"]
+
+
 def machine_info(device) -> dict:
     cpu, cores = cpu_model(), os.cpu_count()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -117,8 +144,9 @@ def machine_info(device) -> dict:
     else:
         model = re.sub(r"\((r|tm)\)|\b(processor|cpu)\b|@", "", cpu.lower())
         slug = f"cpu-{cores}core-" + re.sub(r"[^a-z0-9]+", "-", model).strip("-")
-    return dict(slug=slug, cpu=cpu, cores=cores, gpu=gpu, cuda=torch.version.cuda if gpu else None,
-                python=platform.python_version(), platform=platform.platform(),
+    return dict(slug=slug, cpu=cpu, cpu_details=cpu_details(), cores=cores, gpu=gpu,
+                cuda=torch.version.cuda if gpu else None, python=platform.python_version(),
+                platform=platform.platform(),
                 **{pkg: installed_version(pkg) for pkg in ("torch", "tensordict", "torchrl", "gymnasium")},
                 commit=git_commit())
 

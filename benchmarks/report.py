@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from entries import MODES  # noqa: E402
+from measure import cpu_line  # noqa: E402
 
 NOT_APPLICABLE = "—"  # a figure that does not exist in this mode (compile time in eager): not a zero
 
@@ -117,7 +118,7 @@ def targets_markdown(targets: list) -> str:
 
 def machine_line(m: dict) -> str:
     device = f"{m['gpu']} (CUDA {m['cuda']})" if m["gpu"] else "no GPU"
-    return (f"{m['cpu']}, {m['cores']} cores, {device}; torch {m['torch']}, tensordict {m['tensordict']}, "
+    return (f"{cpu_line(m)}, {m['cores']} cores, {device}; torch {m['torch']}, tensordict {m['tensordict']}, "
             f"torchrl {m['torchrl']}, python {m['python']}; commit {m['commit']}")
 
 

@@ -86,13 +86,20 @@ def bad_numbers(obj, path="") -> list:
 
 
 def previous(out: str, machine: dict, quick: bool) -> dict:
-    """The entries an earlier run of the same kind on this machine saved in `out`."""
+    """The entries an earlier run of the same kind on this machine saved in `out`. A CPU host whose CPU reports
+    the same model name as another's but differs in its details writes the same folder: their entries are not
+    mixed into one table. (A GPU machine is named by its GPU, and its entries are kept across hosts.)"""
     try:
         with open(os.path.join(out, "results.json")) as f:
             old = json.load(f)
     except (OSError, ValueError):
         return dict(algos={}, scaling={})
     if old["machine"]["slug"] != machine["slug"] or old["settings"]["quick"] != quick:
+        return dict(algos={}, scaling={})
+    if machine["gpu"] is None and old["machine"].get("cpu_details") != machine["cpu_details"]:
+        print(f"not keeping the entries in {out}: another host measured them (CPU "
+              f"{old['machine'].get('cpu_details') or 'details not recorded'}; this one: {machine['cpu_details']})",
+              file=sys.stderr)
         return dict(algos={}, scaling={})
     return dict(algos=old["algos"], scaling=old["scaling"])
 

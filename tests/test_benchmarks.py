@@ -130,6 +130,29 @@ def test_a_warm_start_that_loads_its_trace_is_reported_as_such_not_as_eager(tmp_
     assert "(trace loaded)" in table and "update kept eager" not in table
 
 
+def test_entries_of_another_host_with_the_same_cpu_name_are_not_mixed_into_one_table(out, tmp_path, monkeypatch):
+    """Two VMs that both report "AMD EPYC" share a results folder; the second kept the first's entries beside its
+    own under one machine line. The CPU's details (family, model, L3, clock) now tell them apart."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "benchmarks", "run.py"))
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    results = json.loads((out / "results.json").read_text())
+    here = results["machine"]
+    if not here["cpu_details"]:
+        pytest.skip("no /proc/cpuinfo here: this host's CPU details are unknown")
+    assert f"({here['cpu_details']})" in (out / "summary.md").read_text()
+    for host, details in (("same", here["cpu_details"]), ("other", "family 6 model 85 stepping 7, L3 33792K"),
+                          ("unrecorded", None)):
+        (tmp_path / host).mkdir()
+        saved = {**results, "machine": {**here, "cpu_details": details}}
+        (tmp_path / host / "results.json").write_text(json.dumps(saved))
+        kept = run.previous(str(tmp_path / host), here, quick=True)["algos"]
+        assert list(kept) == (list(results["algos"]) if host == "same" else []), host
+
+
 def test_unknown_entry_fails_before_measuring():
     proc = bench("--quick", "--algos", "ppo_cartpole,ppo_nope")
     assert proc.returncode != 0 and "unknown entry 'ppo_nope'" in proc.stderr
