@@ -678,9 +678,13 @@ def compare(pred: Prediction, measured: dict, seqs_per_unit: float = 1.0) -> lis
 def load_setup(cfg: dict) -> Setup:
     """A Setup from a dict (a YAML/JSON file or the command's flags): model, gpu, lengths as sub-dicts."""
     cfg = dict(cfg)
-    for key in ("total_gpus", "model", "gpu"):
-        if key not in cfg or cfg[key] is None:
-            raise UsageError(f"{key}: missing (needed by the planner)")
+    hints = dict(total_gpus="--total-gpus N",
+                 gpu=f"--gpu ({', '.join(GPUS)}) or --gpu-flops, --gpu-bandwidth, --gpu-memory",
+                 model="--model-dir DIR or --params/--layers/--kv-heads/--head-dim")
+    missing = [key for key in hints if cfg.get(key) is None]
+    if missing:  # all of them at once: a first try with no flags should not take three
+        raise UsageError(f"missing {', '.join(missing)} (needed by the planner): "
+                         f"{'; '.join(hints[k] for k in missing)}; or these keys in a --config file")
     model = cfg.pop("model")
     if isinstance(model, str):
         model = Model.from_dir(model)

@@ -180,7 +180,7 @@ def test_bad_input(change, match):
 def test_bad_input_batch_and_missing_field():
     with pytest.raises(ValueError, match="above the KV-cache cap 216"):
         L.predict(setup(), 4, 300)
-    with pytest.raises(ValueError, match="gpu: missing"):
+    with pytest.raises(ValueError, match=r"missing gpu \(needed by the planner\): --gpu \(H100"):
         L.load_setup(dict(total_gpus=8, model=dict(params=7e9, layers=32, kv_heads=8, head_dim=128)))
     with pytest.raises(ValueError, match=r"model: missing \['kv_heads'\]"):
         L.load_setup(dict(total_gpus=8, gpu="H100", model=dict(params=7e9, layers=32, head_dim=128)))
@@ -225,6 +225,9 @@ def test_cli_plan_and_errors(tmp_path):
                   "--head-dim", "64", "--mode", "pipelined", "--max-lag", "0")
     assert bad.returncode == 2 and "error: max_lag 0 with mode pipelined" in bad.stderr
     assert "Traceback" not in bad.stderr
+    bare = run_cli("--gpu", "H100")  # everything else the planner needs is named in one message
+    assert bare.returncode == 2 and "error: missing total_gpus, model (needed by the planner): --total-gpus N; " \
+        "--model-dir DIR or --params" in bare.stderr, bare.stderr
 
 
 def test_cli_names_a_missing_or_malformed_file(tmp_path):
