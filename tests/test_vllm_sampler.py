@@ -106,37 +106,40 @@ def test_in_flight_update(setup, recompute_kv):
     assert [r.getMessage() for r in warnings] == []
 
 
-def engine_process_sampler(tok, tmp_path, monkeypatch):
-    """A sampler on vLLM's default engine: a process of its own, which steps its requests by itself."""
+@pytest.fixture
+def engine_process_sampler(setup, tmp_path, monkeypatch):
+    """A sampler on vLLM's default engine: a process of its own, which steps its requests by itself. Stopped when
+    the test ends: left to the interpreter's exit, vLLM logs its shutdown into pytest's closed output."""
     from vllm import envs
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     envs.disable_envs_cache()  # a started engine caches vLLM's environment variables
+    tok = setup[0]
     model_dir = save_tiny_model(str(tmp_path / "a"), tok, seed=0, **TINY)
     sampler = VLLMSampler(model_dir, num_slots=4, max_len=40, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id, temperature=TEMPERATURE,
                           params=from_module(load_model(model_dir)[0]).data, seed=0)
     assert sampler._engine_process
-    return sampler
+    yield sampler
+    sampler.engine.engine_core.shutdown()
 
 
-def test_in_flight_update_of_an_engine_process(setup, tmp_path, monkeypatch):
+def test_in_flight_update_of_an_engine_process(setup, engine_process_sampler):
     """The same with vLLM's default engine, a process of its own that steps its requests by itself: held while the
     weights change (an update is several calls into it), it samples what the in-process engine does. Both KV modes
     on one engine (a start compiles the model: ~20 s here)."""
     tok, _, model_a, model_b = setup
-    sampler = engine_process_sampler(tok, tmp_path, monkeypatch)
     for recompute_kv in (False, True):
-        check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv)
+        check_in_flight_update(tok, engine_process_sampler, model_a, model_b, recompute_kv)
 
 
-def test_an_engine_that_dies_during_an_update_is_a_clear_error(setup, tmp_path, monkeypatch):
+def test_an_engine_that_dies_during_an_update_is_a_clear_error(engine_process_sampler, monkeypatch):
     """The engine process killed while an update is sent: the update raises the engine's error within seconds, its
     resume of the engine included (vLLM marks the client dead only after stopping the engine's processes, slowed
     here as on a loaded machine; a call in that window waited forever)."""
     import threading
     import time
 
-    sampler = engine_process_sampler(setup[0], tmp_path, monkeypatch)
+    sampler = engine_process_sampler
     manager = sampler.engine.engine_core.resources.engine_manager
     stop_processes = manager.shutdown
     monkeypatch.setattr(manager, "shutdown", lambda *a, **k: (time.sleep(5), stop_processes(*a, **k)))
