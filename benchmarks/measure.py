@@ -114,10 +114,10 @@ def cpu_details() -> str | None:
     family, model and stepping, the L3 cache, the TSC clock (BogoMIPS / 2, fixed at boot; "cpu MHz" varies)."""
     try:
         with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+            first_cpu = f.read().split("\n\n")[0]
     except OSError:
         return None
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
     parts = [" ".join(f"{k.split()[-1]} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)]
     try:
         with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
