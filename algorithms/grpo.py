@@ -27,7 +27,7 @@ from tensordict import TensorDict, from_module
 import leanrl
 from leanrl.data_parallel import DataParallel
 from leanrl.envs.llm_tasks import make_task
-from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
+from leanrl.llm import Sampler, char_tokenizer, load_model, save_cached, save_tiny_model
 
 
 @dataclass
@@ -513,11 +513,9 @@ def prepare_model(args: Args, task, device) -> str:
     out = os.path.join(cache, "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])
     if not os.path.isfile(os.path.join(out, "config.json")):
         # in float32 whatever --dtype is: bfloat16 weights would round most of its steps away (see Learner)
-        model, tokenizer = load_model(base, device=device)
+        model, tokenizer = load_model(base, device=device, progress=False)
         warm_start(model, tokenizer, task, args, device)
-        model.save_pretrained(out + ".tmp")
-        tokenizer.save_pretrained(out + ".tmp")
-        os.replace(out + ".tmp", out)  # complete or absent, never half written
+        save_cached(model, tokenizer, out)
     return out
 
 
@@ -563,13 +561,14 @@ def check_args(args: Args, world: int = 1):
 def load_policy(args: Args, device, model_dir: str | None = None):
     """Task, model (prepared and warm-started, or loaded from `model_dir`), tokenizer and the model's directory:
     what the sync loop, the async trainer and every async collector build identically."""
-    if not args.progress:  # transformers' own bars too (saving, loading weights): a switch for the whole process
+    if not args.progress:  # transformers' own bars too (loading, converting a named model): a process-wide switch
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
     task = make_task(args.task)
+    collector = model_dir is not None  # it loads what the trainer prepared and loaded: one "Loading weights" bar
     model_dir = model_dir or prepare_model(args, task, device)
-    model, tokenizer = load_model(model_dir, device=device, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(model_dir, device=device, dtype=getattr(torch, args.dtype), progress=not collector)
     if args.chat_template:
         encode(tokenizer, "", chat=True)  # no chat template: the error here, not in a collector
     return task, model, tokenizer, model_dir

@@ -610,17 +610,22 @@ def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir
     assert after >= before + 0.06, (before, after)  # measured: 0.189 -> 0.303 (sync), 0.275 (async, lag 2)
 
 
-@pytest.mark.parametrize("flags", [[], ["--async", "--max-lag", "1", "--eval-every", "1", "--eval-prompts", "4"]])
+@pytest.mark.parametrize("flags", [["--no-progress"],
+                                   ["--async", "--max-lag", "1", "--eval-every", "1", "--eval-prompts", "4"]])
 def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     small = ["--num-prompts", "8", "--group-size", "4", "--micro-batch", "8", "--sft-steps", "20", "--sft-batch", "16"]
     cmd = [sys.executable, os.path.join(root, "scripts", "grpo_arith.py"), *small, *flags, "--total-timesteps", "64",
-           "--run-dir", run_dir, "--exp-name", f"script{len(flags)}", "--no-progress"]
+           "--run-dir", run_dir, "--exp-name", f"script{len(flags)}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "%|" not in proc.stderr, proc.stderr[-3000:]  # --no-progress: no tqdm bar, transformers' included
+    if "--no-progress" in flags:
+        assert "%|" not in proc.stderr, proc.stderr[-3000:]  # no tqdm bar, transformers' included
+    else:  # of transformers' bars, one: loading the policy (not its saves, the warm start's load, the collectors')
+        assert "Writing model shards" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.count("Loading weights:   0%") == 1, proc.stderr[-3000:]
     rows, path = _rows(run_dir, f"script{len(flags)}")
     evaluated = [r["global_step"] for r in rows if "charts/eval_solve_rate" in r]
     rows = [r for r in rows if "charts/reward_mean" in r]  # the evaluation at the end is a row of its own

