@@ -92,10 +92,14 @@ def save_tiny_model(directory, tokenizer, *, family="qwen2", num_layers=2, hidde
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     os.makedirs(directory, exist_ok=True)
-    with _loading, _bars(False):  # done in a moment: a bar would only clutter a run's first lines
+    _save(model, tokenizer, directory)
+    return str(directory)
+
+
+def _save(model, tokenizer, directory):
+    with _loading, _bars(False):  # leanrl saves small models or its caches: a bar would only clutter a run's output
         model.save_pretrained(directory, safe_serialization=True)
         tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 def save_cached(model, tokenizer, directory) -> str:
@@ -107,9 +111,7 @@ def save_cached(model, tokenizer, directory) -> str:
     tmp = tempfile.mkdtemp(dir=os.path.dirname(directory), prefix=f".{os.path.basename(directory)}-")
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model directory
     try:
-        with _loading, _bars(False):
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+        _save(model, tokenizer, tmp)
         try:
             os.replace(tmp, directory)  # atomic
         except OSError:
