@@ -35,6 +35,17 @@ latency on the loop (batch and weight transport, wake-ups) and occupies neither 
        closed-loop (admission)    X_a = (max_lag + 1)·b / (D + T + h),  D = E[ℓ]·t(B) + t_pf the mean sequence
                                   latency: at most (max_lag + 1)·b sequences are between admission and the
                                   arrival of the weights of their update (Little's law, L = λW [Little 1961])
+       in ticket order            (the trainer takes batch v only once its every sequence is done, as leanrl's PPO
+                                  takes rollouts in start order) Little's law on D misses the early finishers'
+                                  wait: batch v starts when version v − max_lag reaches the samplers,
+                                  C_{v−W} + h (C_v: the end of step v, W = max_lag + 1), is done after its slowest
+                                  sequence, M_v (the longest of b draws of ℓ·t(B) + t_pf), and trains after step
+                                  v − 1, so the gap between steps is G_v = max(h + T + M_v − Σ_{i=1}^{W−1} G_{v−i}, T)
+                                  and X_a = b / E[G]. A max-plus linear recursion, whose cycle time has no closed
+                                  form once M_v varies [Baccelli et al. 1992, ch. 7]: E[G] is its mean over
+                                  up to TICKET_BATCHES batches (constant lengths: (D + T + h)/W, Little's law
+                                  again). It gives every admitted sequence a slot; with fewer than W·b slots X_s
+                                  caps it
   (11) lag per sequence           E[lag] = (X/b)·(D + T + h) when the samplers are the bottleneck: the versions
                                   published between a sequence's start and its consumption. With steps every
                                   Δ = b/X, a sequence that waits w for its batch sees ⌈(D + w + T + h)/Δ⌉ − 1
@@ -57,6 +68,7 @@ version g − 1 while batch g − 1 trains)
   (15) one-step-off               X = b / (max(T_gen(N_s), T(N_t)) + π),  lag 1
 """
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -385,6 +397,30 @@ def _generation_time(s: Setup, replicas: int, b: int) -> tuple[float, float]:  #
     return m * prefill_time(s) + t * steps, m * prefill_time(s) + t * m * s.lengths.moment(1) / active
 
 
+TICKET_BATCHES = 8192  # the ticket-order recursion (10) is iterated over: its mean within ~0.5 % at b = 1
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_of_batches(lengths: Lengths, batch: int) -> np.ndarray:
+    """The longest of each batch's `batch` lengths, for up to TICKET_BATCHES batches (at most 4M draws: a large
+    batch's longest varies less), the same draws every call: a sweep compares layouts, not noise."""
+    n = min(TICKET_BATCHES, max(512, (1 << 22) // batch))
+    return lengths.sample(np.random.default_rng(0), n * batch).reshape(n, batch).max(1)
+
+
+def _ticket_gap(s: Setup, t: float, T: float) -> float:  # (10), ticket order: E[G]
+    ready = s.handoff_s + T + _longest_of_batches(s.lengths, s.batch) * t + prefill_time(s)
+    n = len(ready)
+    window = collections.deque([0.0] * s.max_lag, maxlen=s.max_lag)  # the last W − 1 gaps
+    behind, total = 0.0, 0.0  # their sum; the sum of the gaps after the first half (its transient)
+    for v, r in enumerate(ready):
+        g = max(r - behind, T)
+        behind += g - window[0]
+        window.append(g)
+        total += g if v >= n // 2 else 0.0
+    return total / (n - n // 2)
+
+
 def predict(s: Setup, n_sample: int, b: int) -> Prediction:
     """The closed-form model at a split (n_sample GPUs sample, the rest train; sync: all do both) and B = b."""
     check_batch(s, b)
@@ -409,7 +445,8 @@ def predict(s: Setup, n_sample: int, b: int) -> Prediction:
     Xs = replicas / (El * t / b + prefill_time(s))
     Xs_eff = Xs / (1 + s.pause * Xs / s.batch)  # X = Xs·(1 − π·X/b) solved for X
     loop = T + s.handoff_s  # from a batch's consumption to its weights at the samplers
-    Xt, Xa = s.batch / T, (s.max_lag + 1) * s.batch / (D + loop)
+    Xt = s.batch / T
+    Xa = s.batch / _ticket_gap(s, t, T) if s.consume == "ticket" else (s.max_lag + 1) * s.batch / (D + loop)
     X = min(Xs_eff, Xt, Xa)
     bound = "sampler" if X == Xs_eff else "trainer" if X == Xt else "admission"
     steps = X / s.batch
