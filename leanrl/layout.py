@@ -68,7 +68,6 @@ version g − 1 while batch g − 1 trains)
   (15) one-step-off               X = b / (max(T_gen(N_s), T(N_t)) + π),  lag 1
 """
 
-import collections
 import dataclasses
 import functools
 import heapq
@@ -410,15 +409,10 @@ def _longest_of_batches(lengths: Lengths, batch: int) -> np.ndarray:
 
 def _ticket_gap(s: Setup, t: float, T: float) -> float:  # (10), ticket order: E[G]
     ready = s.handoff_s + T + _longest_of_batches(s.lengths, s.batch) * t + prefill_time(s)
-    n = len(ready)
-    window = collections.deque([0.0] * s.max_lag, maxlen=s.max_lag)  # the last W − 1 gaps
-    behind, total = 0.0, 0.0  # their sum; the sum of the gaps after the first half (its transient)
-    for v, r in enumerate(ready):
-        g = max(r - behind, T)
-        behind += g - window[0]
-        window.append(g)
-        total += g if v >= n // 2 else 0.0
-    return total / (n - n // 2)
+    gaps = [0.0] * s.max_lag  # G_v, after W − 1 zeros
+    for r in ready:
+        gaps.append(max(r - sum(gaps[-s.max_lag:]), T))
+    return float(np.mean(gaps[s.max_lag + len(ready) // 2:]))  # the first half is the transient
 
 
 def predict(s: Setup, n_sample: int, b: int) -> Prediction:
