@@ -2,16 +2,16 @@
 
     python benchmarks/layout_validation.py [--total-timesteps 24000] [--quick]
 
-Calibration, right before the runs, on the same machine: (1) a collector's rollout time with the slow env of the
-setting (`ppo.rollout`: policy, env and sleep overshoot included), as an empirical distribution, measured with as
-many collector processes rolling out at once as the setting runs (on a CPU they share the cores; with this env,
-which mostly sleeps, that moved the mean by less than 2 % from a lone collector's); (2) the trainer's time per
-batch (what `ppo_async.train` does with a batch, built from its pieces: GAE, the flat batch, the proximal
-log-probs and the update epochs with `ppo_async.make_loss`) on a real collected batch; (3) the handoff h, the
-loop's latency beyond (1) and (2) (transport, weight pickup, wake-ups, logging), from one run of its own setting
-in which rollouts and updates strictly alternate. The planner (closed form and simulator) gets only those and the
-settings; each run's (`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag and idle fractions are
-compared.
+Each setting is calibrated right before its run, on the same machine (the speed of shared cores drifts): (1) a
+collector's rollout time with the slow env of the setting (`ppo.rollout`: policy, env and sleep overshoot included),
+as an empirical distribution, measured with as many collector processes rolling out at once as the setting runs (on
+a CPU they share the cores; with this env, which mostly sleeps, that moved the mean by less than 2 % from a lone
+collector's); (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its pieces:
+GAE, the flat batch, the proximal log-probs and the update epochs with `ppo_async.make_loss`) on a real collected
+batch; (3) the handoff h, the loop's latency beyond (1) and (2) (transport, weight pickup, wake-ups, logging), from
+one run of its own setting in which rollouts and updates strictly alternate. The planner (closed form and simulator)
+gets only those and the settings; each run's (`ppo_async.train`) env steps/s (charts/SPS, after burn-in), mean lag
+and idle fractions are compared.
 Writes benchmarks/results/<machine>/layout_validation.{json,md}; `--quick` runs one small setting into a
 temporary folder (a check that the script works, not a validation).
 """
@@ -140,7 +140,7 @@ def trainer_time(epochs, n):
             b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
         learn(b)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])  # the median: other jobs share the cores
+    return statistics.fmean(times[2:])  # the mean, as a run's throughput sees it
 
 
 def measured_run(collectors, max_lag, epochs, median_ms, sigma, total):
@@ -180,30 +180,24 @@ def main(b: Bench):
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
-    calib_roll, calib_train = {}, {}
-    for collectors, _, epochs, median_ms, sigma in [HANDOFF_SETTING, *settings]:
-        if (collectors, median_ms, sigma) not in calib_roll:
-            calib_roll[(collectors, median_ms, sigma)] = concurrent_rollout_times(collectors, median_ms, sigma,
-                                                                                  b.calib_rollouts)
-        if epochs not in calib_train:
-            calib_train[epochs] = trainer_time(epochs, b.calib_updates)
     collectors, _, epochs, median_ms, sigma = HANDOFF_SETTING
-    handoff_s = handoff_time(calib_roll[(collectors, median_ms, sigma)], calib_train[epochs], b.total_timesteps)
+    handoff_s = handoff_time(concurrent_rollout_times(collectors, median_ms, sigma, b.calib_rollouts),
+                             trainer_time(epochs, b.calib_updates), b.total_timesteps)
     t_calib = time.perf_counter() - t_start
-    print(f"calibration {t_calib:.0f} s: rollout means " + ", ".join(
-        f"{k}: {statistics.fmean(v) * 1e3:.1f} ms" for k, v in calib_roll.items()) + "; trainer " + ", ".join(
-        f"{k} epochs: {v * 1e3:.1f} ms" for k, v in calib_train.items()) + f"; handoff {handoff_s * 1e3:.1f} ms",
-        flush=True)
+    print(f"handoff {handoff_s * 1e3:.1f} ms", flush=True)
     results = []
     for collectors, max_lag, epochs, median_ms, sigma in settings:
-        durations = calib_roll[(collectors, median_ms, sigma)]
-        s = planner_setup(collectors, max_lag, durations, calib_train[epochs], handoff_s)
+        t0 = time.perf_counter()
+        durations = concurrent_rollout_times(collectors, median_ms, sigma, b.calib_rollouts)
+        train_s = trainer_time(epochs, b.calib_updates)
+        t_calib += time.perf_counter() - t0
+        s = planner_setup(collectors, max_lag, durations, train_s, handoff_s)
         pred = layout.predict(s, collectors, 1)
         pred_h0 = layout.predict(replace(s, handoff_s=0.0), collectors, 1)  # what the handoff term changes
         sim = layout.simulate(s, collectors, 1, steps=400, warmup=20)
         m = measured_run(collectors, max_lag, epochs, median_ms, sigma, b.total_timesteps)
         row = dict(collectors=collectors, max_lag=max_lag, update_epochs=epochs, median_ms=median_ms, sigma=sigma,
-                   rollout_s=statistics.fmean(durations), train_s=calib_train[epochs],
+                   rollout_s=statistics.fmean(durations), train_s=train_s,
                    measured_sps=m["charts/SPS"], model_sps=pred.seqs_per_s * STEPS_PER_BATCH,
                    model_h0_sps=pred_h0.seqs_per_s * STEPS_PER_BATCH,
                    sim_sps=sim.seqs_per_s * STEPS_PER_BATCH, measured_lag=m["async/lag_mean"],
@@ -234,8 +228,8 @@ def main(b: Bench):
 
 def table(info) -> str:
     lines = [f"Planner vs measured async PPO (torch/CartPole-v1, 8 envs x 32 steps per collector batch, processes "
-             f"transport, {info['total_timesteps']:,} env steps per run). Calibration measured right before the "
-             f"runs ({info['calibration_s']:.0f} s), the handoff h = {info['handoff_s'] * 1e3:.1f} ms from a run "
+             f"transport, {info['total_timesteps']:,} env steps per run). Each setting calibrated right before its "
+             f"run ({info['calibration_s']:.0f} s in all), the handoff h = {info['handoff_s'] * 1e3:.1f} ms from a run "
              f"of its own (1 collector, max_lag 0, 10 epochs, env step 4.0 ms, sigma 1.0); whole script "
              f"{info['total_s']:.0f} s. Load average (1/5/15 "
              f"min) before {tuple(round(x, 1) for x in info['load_before'])}, after "

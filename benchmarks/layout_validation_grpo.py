@@ -11,13 +11,16 @@ before its run, on the same machine, from the pieces the run executes:
   sampler's step sizes): the time per step is the fills' average over their sizes, given to the planner as a flat
   curve at the slot count (a pipelined run, which seldom drains, steps at full size a little more often);
 - the response lengths of those fills, as the empirical distribution;
-- the trainer's seconds per batch: `grpo.Learner.update` on a filled batch, and the log of its metrics; sync adds
-  the verifier's scoring (in async the collector scores), async the publishing of the weights (`WeightRing`), timed
-  while a process samples as the run's collector does (two processes on 2 cores: the update is ~15 % slower).
+- the trainer's seconds per batch: `grpo.Learner.update` on a freshly filled batch each time (its cost follows the
+  batch's tokens: 83 to 123 ms over 12 batches of the 64-slot setting here, so one batch timed again and again
+  measures that batch, not the run's mean), and the log of its metrics; sync adds the verifier's scoring (in async
+  the collector scores), async the publishing of the weights (`WeightRing`), timed while a process samples as the
+  run's collector does (two processes on 2 cores: the update is ~15 % slower).
 The planner (closed form and simulator) gets only these and the settings. Each run's completions/s (charts/SPS,
 after its first two iterations) and mean sequence and token lags are compared with them; so is the closed form
-given the update time the run itself logged, which separates the model's error from the drift of shared cores
-between the calibration and the run. Writes
+given the update time and the mean response length the run itself logged (the calibrated lengths scaled to that
+mean), which separates the model's error from its inputs' drift: the speed of shared cores, and the lengths, which
+change as the policy trains (the calibration samples the warm start). Writes
 benchmarks/results/<machine>/layout_validation_grpo.{json,md}; `--quick` runs two small settings into a temporary
 folder (a check that the script works, not a validation).
 """
@@ -51,10 +54,10 @@ CPU = torch.device("cpu")
 class Bench:
     iterations: int = 40
     """batches per validation run"""
-    calib_fills: int = 8
-    """sync fills timed per setting"""
-    calib_updates: int = 8
-    """trainer updates timed"""
+    calib_fills: int = 16
+    """sync fills timed per setting (their lengths are the planner's distribution: heavy-tailed, so many)"""
+    calib_updates: int = 16
+    """trainer updates timed (each on a batch of its own)"""
     quick: bool = False
     """check that the script runs: two settings of 6 iterations, 2 fills and 2 updates timed, written to a
     temporary folder (never over the committed results)"""
@@ -118,15 +121,16 @@ def busy_collector(args, started, stop):
 
 
 def calibrate_trainer(args, updates):
-    """Seconds per batch of what the trainer does besides waiting: `Learner.update` (on a filled batch of the
-    warm-started policy), logging its metrics (a Logger's record and flush: the runs log every batch), publishing
-    the weights (the pipeline's `WeightRing`, async only) and scoring (sync only: in async the collector scores).
-    Async times them while a collector process samples, as it does in the run: on 2 cores it slows the update."""
+    """Seconds per batch of what the trainer does besides waiting: `Learner.update` (on batches of the
+    warm-started policy, a fresh one each time: its cost follows the batch's lengths), logging its metrics (a
+    Logger's record and flush: the runs log every batch), publishing the weights (the pipeline's `WeightRing`, async
+    only) and scoring (sync only: in async the collector scores). Async times them while a collector process
+    samples, as it does in the run: on 2 cores it slows the update."""
     task, model, tokenizer, _ = grpo.load_policy(args, CPU)
     learner = grpo.Learner(model, args, CPU, max_lag=args.max_lag)
     sampler = grpo.make_sampler(model, tokenizer, args)
     batch = sampler.make_batch(args.num_prompts * args.group_size)
-    sampler.fill(batch, grpo.PromptStream(task, tokenizer, seed=-8), group_size=args.group_size, carry_over=False)
+    prompts = grpo.PromptStream(task, tokenizer, seed=-8)
     params = from_module(model).data
     ring = WeightRing(params, args.max_lag + 1, shared=True)
     times = {k: [] for k in ("score_s", "update_s", "publish_s", "log_s")}
@@ -139,6 +143,8 @@ def calibrate_trainer(args, updates):
     with tempfile.TemporaryDirectory() as tmp, leanrl.Logger.from_args(
             replace(args, progress=False, track=False), tmp, 10 ** 9, summary=False) as logger:
         for i in range(updates + 1):
+            # a fresh batch each time: the update's micro-batches are planned from its lengths
+            sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
             t0 = time.perf_counter()
             host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
             rewards = grpo.score(task, tokenizer, host, -8)
@@ -181,6 +187,7 @@ def measured_run(args):
     rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
     steady = rows[2:]  # SPS counts from the end of iteration 2: the lags over the same batches
     return dict(sps=rows[-1]["charts/SPS"], seq_lag=hist_mean(steady, "lag/sequence_hist_"),
+                mean_length=statistics.fmean(r["charts/response_length_mean"] for r in steady),
                 update_s=statistics.fmean(r["perf/update_time"] for r in steady),
                 token_lag=hist_mean(steady, "lag/token_hist_"), wall_s=wall,
                 trainer_idle=rows[-1].get("async/trainer_idle_frac"),
@@ -210,13 +217,17 @@ def main(b: Bench):
         pred = layout.predict(s, 1, slots)
         sim = layout.simulate(s, 1, slots, steps=300, warmup=20)
         m = measured_run(run_args)
-        # The same model given the update time the run itself logged: what is left is the model's own error
-        in_run = layout.predict(replace(s, train_step_s=s.train_step_s - update_s + m["update_s"]), 1, slots)
+        # The same model given the run's own update time and mean length: what is left is the model's own error
+        scale = m["mean_length"] / statistics.fmean(lengths)
+        in_run = layout.predict(replace(s, train_step_s=s.train_step_s - update_s + m["update_s"],
+                                        lengths=layout.Lengths("empirical", values=tuple(x * scale for x in lengths))),
+                                1, slots)
         row = dict(mode=mode, slots=slots, max_lag=max_lag, update_epochs=epochs, step_s=step_s, start_s=start_s,
                    mean_length=statistics.fmean(lengths), update_s=update_s, log_s=cal["log_s"],
                    publish_s=cal["publish_s"], train_s=s.train_step_s,
                    bound=pred.bound, measured_sps=m["sps"], model_sps=pred.seqs_per_s, sim_sps=sim.seqs_per_s,
-                   run_update_s=m["update_s"], in_run_sps=in_run.seqs_per_s,
+                   run_update_s=m["update_s"], run_mean_length=m["mean_length"], in_run_sps=in_run.seqs_per_s,
+                   in_run_lag=in_run.lag_mean,
                    measured_lag=m["seq_lag"], model_lag=pred.lag_mean, sim_lag=sim.lag_mean,
                    measured_token_lag=m["token_lag"], model_token_lag=pred.token_lag_mean,
                    sim_token_lag=sim.token_lag_mean, measured_trainer_idle=m["trainer_idle"],
@@ -250,18 +261,19 @@ def table(info) -> str:
              f"{tuple(round(x, 1) for x in info['load_before'])}, after "
              f"{tuple(round(x, 1) for x in info['load_after'])} on {info['machine']['cores']} cores.", "",
              "| mode | slots | max_lag | epochs | decode step ms | start ms | mean length | train s | bound | "
-             "measured seqs/s | model (err) | simulator (err) | run's update s | model on it (err) | measured lag | "
-             "model lag (err) | sim lag (err) | token lag meas / model / sim | trainer idle meas / model | "
-             "sampler idle meas / model | restarted per batch |",
+             "measured seqs/s | model (err) | simulator (err) | run's update s, mean length | "
+             "model on them (err), lag | measured lag | model lag (err) | sim lag (err) | "
+             "token lag meas / model / sim | trainer idle meas / model | sampler idle meas / model | "
+             "restarted per batch |",
              "|---" * 21 + "|"]
     for r in info["results"]:
         lines.append(
             f"| {r['mode']} | {r['slots']} | {r['max_lag']} | {r['update_epochs']} | {r['step_s'] * 1e3:.2f} | "
             f"{r['start_s'] * 1e3:.2f} | {r['mean_length']:.2f} | {r['train_s']:.3f} | {r['bound']} | "
             f"{r['measured_sps']:.0f} | {r['model_sps']:.0f} ({r['model_sps_err']:+.1%}) | "
-            f"{r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | {r['run_update_s']:.3f} | {r['in_run_sps']:.0f} "
-            f"({r['in_run_sps_err']:+.1%}) | {r['measured_lag']:.2f} | {r['model_lag']:.2f} "
-            f"({r['model_lag_err']:+.2f}) | {r['sim_lag']:.2f} ({r['sim_lag_err']:+.2f}) | "
+            f"{r['sim_sps']:.0f} ({r['sim_sps_err']:+.1%}) | {r['run_update_s']:.3f}, {r['run_mean_length']:.2f} | "
+            f"{r['in_run_sps']:.0f} ({r['in_run_sps_err']:+.1%}), {r['in_run_lag']:.2f} | {r['measured_lag']:.2f} | "
+            f"{r['model_lag']:.2f} ({r['model_lag_err']:+.2f}) | {r['sim_lag']:.2f} ({r['sim_lag_err']:+.2f}) | "
             f"{r['measured_token_lag']:.2f} / {r['model_token_lag']:.2f} / {r['sim_token_lag']:.2f} | "
             f"{idle(r['measured_trainer_idle'])} / {r['model_trainer_idle']:.2f} | "
             f"{idle(r['measured_collector_idle'])} / {r['model_collector_idle']:.2f} | "

@@ -220,7 +220,8 @@ def test_grpo_layout_validation_runs_sync_and_async_against_the_planner():
     assert pipelined["mode"] == "pipelined" and 0 < pipelined["measured_lag"] <= pipelined["max_lag"]
     assert pipelined["restarted_per_batch"] < 32  # of 128 sequences per batch
     for r in (sync, pipelined):
-        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s"))
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s",
+                                                              "run_mean_length", "in_run_sps"))
 
 
 def test_ppo_layout_validation_measures_the_handoff_and_runs_against_the_planner():
