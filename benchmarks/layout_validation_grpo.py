@@ -211,19 +211,19 @@ def main(b: Bench):
         t0 = time.perf_counter()  # calibrated right before its run: the speed of shared cores drifts
         step_s, start_s, lengths = calibrate_sampler(run_args, slots, b.calib_fills)
         cal = dict(step_s=step_s, start_s=start_s, lengths=lengths, **calibrate_trainer(run_args, b.calib_updates))
-        update_s = cal["update_s"]
+        update_s, mean_length = cal["update_s"], statistics.fmean(lengths)
         t_calib += time.perf_counter() - t0
         s = planner_setup(mode, slots, max_lag, cal, run_args)
         pred = layout.predict(s, 1, slots)
         sim = layout.simulate(s, 1, slots, steps=300, warmup=20)
         m = measured_run(run_args)
         # The same model given the run's own update time and mean length: what is left is the model's own error
-        scale = m["mean_length"] / statistics.fmean(lengths)
+        scale = m["mean_length"] / mean_length
         in_run = layout.predict(replace(s, train_step_s=s.train_step_s - update_s + m["update_s"],
                                         lengths=layout.Lengths("empirical", values=tuple(x * scale for x in lengths))),
                                 1, slots)
         row = dict(mode=mode, slots=slots, max_lag=max_lag, update_epochs=epochs, step_s=step_s, start_s=start_s,
-                   mean_length=statistics.fmean(lengths), update_s=update_s, log_s=cal["log_s"],
+                   mean_length=mean_length, update_s=update_s, log_s=cal["log_s"],
                    publish_s=cal["publish_s"], train_s=s.train_step_s,
                    bound=pred.bound, measured_sps=m["sps"], model_sps=pred.seqs_per_s, sim_sps=sim.seqs_per_s,
                    run_update_s=m["update_s"], run_mean_length=m["mean_length"], in_run_sps=in_run.seqs_per_s,
