@@ -580,8 +580,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
             metrics = dict(zip(UPDATE_METRICS, one_iteration()))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
             logger.record(metrics)
-            logger.record_episodes(storage["terminated"] | storage["truncated"], storage["episode_return"],
-                                   storage["episode_length"])
+            logger.record_episodes(storage["episode_return"], storage["episode_length"])
             iteration += 1
             logger.end_iteration(iteration * batch_size)
             if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,

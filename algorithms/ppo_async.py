@@ -235,8 +235,7 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             metrics["async/ess"] = effective_sample_size(b["proximal_logprobs"] - b["logprobs"])
             metrics.update(trainer.stats.summary())
             logger.record(metrics)
-            logger.record_episodes(storage["terminated"] | storage["truncated"], storage["episode_return"],
-                                   storage["episode_length"])
+            logger.record_episodes(storage["episode_return"], storage["episode_length"])
             iteration += 1
             logger.end_iteration(iteration * batch_size)
             if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,

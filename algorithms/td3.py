@@ -292,7 +292,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
             if (args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every)
                     and iteration < num_iterations):
                 logger.record({"charts/eval_return": evaluate()})
-            logger.record_episodes(out["episode_length"] > 0, out["episode_return"], out["episode_length"])
+            logger.record_episodes(out["episode_return"], out["episode_length"])
             logger.end_iteration(run.global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 for names, values in ((CRITIC_METRICS, critic_out), (ACTOR_METRICS, actor_out)):

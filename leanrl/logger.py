@@ -71,9 +71,11 @@ class Logger:
                    run_name=os.path.basename(os.path.normpath(run_dir)), start_step=start_step,
                    progress=args.progress, **kwargs)
 
-    def record_episodes(self, done: torch.Tensor, episode_return: torch.Tensor, episode_length: torch.Tensor):
-        """Accumulate ended episodes on the device; safe inside the hot loop."""
-        d = done.float()
+    def record_episodes(self, episode_return: torch.Tensor, episode_length: torch.Tensor):
+        """Accumulate the episodes that ended, on the device; safe inside the hot loop. An env reports an episode
+        where it ends, with its length (> 0) and return, and 0 elsewhere: that, not `terminated | truncated`, says
+        where an episode ended (with Atari's episodic life a lost life is `terminated` while the game goes on)."""
+        d = (episode_length > 0).float()
         sums = torch.stack([(episode_return * d).sum(), (episode_length * d).sum(), d.sum()])
         self.episode_sums = sums if self.episode_sums is None else self.episode_sums + sums
 

@@ -76,9 +76,9 @@ def test_shape_guard_on_tensordicts_and_keywords():
 
 def test_logger_reads_device_metrics_at_flush_with_cleanrl_keys(tmp_path):
     logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=100, burn_in=1, progress=False)
-    done = torch.tensor([True, False, True])
-    logger.record_episodes(done, torch.tensor([10.0, 99.0, 20.0]), torch.tensor([5.0, 9.0, 7.0]))
-    logger.record_episodes(torch.tensor([False, True, False]), torch.zeros(3) + 30, torch.zeros(3) + 3)
+    # an env reports an ended episode by its length; 0 elsewhere (a lost Atari life is terminated, no episode)
+    logger.record_episodes(torch.tensor([10.0, 0.0, 20.0]), torch.tensor([5, 0, 7]))
+    logger.record_episodes(torch.tensor([0.0, 30.0, 0.0]), torch.tensor([0, 3, 0]))
     logger.record({"losses/value_loss": torch.tensor(0.5), "charts/learning_rate": 1e-3})
     logger.end_iteration(50)
     logger.end_iteration(100)

@@ -5,6 +5,7 @@ import os
 import signal
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 import torch._inductor.config
@@ -300,3 +301,41 @@ def test_graph_iteration_needs_an_on_device_env():
     with pytest.raises(ValueError, match="--graph-iteration needs an on-device env"):
         ppo.train(ppo.Args(graph_iteration=True, num_envs=1, num_steps=8, num_minibatches=1, total_timesteps=8),
                   make_env("Pendulum-v1", 1), torch.device("cpu"))
+
+
+class GameCounter:
+    """ale-py's vector env, counting whole games on its own: the score and frames of each game that ends (ale-py
+    reports a game over as terminated or truncated; the lives are AtariEnv's business)."""
+
+    def __init__(self, env):
+        self.env, self.scores, self.lengths = env, [], []
+        self.score, self.length = np.zeros(env.num_envs), np.zeros(env.num_envs, dtype=np.int64)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.score += reward
+        self.length += 1
+        for i in np.flatnonzero(terminated | truncated):
+            self.scores.append(self.score[i])
+            self.lengths.append(self.length[i])
+            self.score[i], self.length[i] = 0, 0
+        return obs, reward, terminated, truncated, info
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def test_ppo_on_atari_logs_the_mean_game_score_and_length(tmp_path):
+    """With episodic life every lost life is `terminated`, yet an episode is the whole game: the logged return and
+    length are the mean score and length of the games that ended, counted here from ale-py's own steps."""
+    pytest.importorskip("ale_py")
+    envs = make_env("BreakoutNoFrameskip-v4", 8, seed=1)
+    envs.env = counter = GameCounter(envs.env)
+    args = ppo.Args(env_id="BreakoutNoFrameskip-v4", num_envs=8, num_steps=128, num_minibatches=4, update_epochs=1,
+                    total_timesteps=2 * 8 * 128, log_every=2, checkpoint_every=0, clip_reward=True,
+                    bootstrap_truncated=False, progress=False, run_dir=str(tmp_path))
+    logged = ppo.train(args, envs, torch.device("cpu")).logged
+    envs.close()
+    assert len(counter.scores) >= 5  # random play loses a game in about 175 steps
+    assert logged["charts/episodic_return"] == pytest.approx(np.mean(counter.scores))
+    assert logged["charts/episodic_length"] == pytest.approx(np.mean(counter.lengths))

@@ -162,7 +162,7 @@ def test_tensorboard_reads_the_logged_scalars(tmp_path):
     logger = leanrl.Logger(str(tmp_path), {"seed": 1}, total_steps=20, progress=False, summary=False)
     for step in (10, 20):
         logger.record({"losses/value_loss": torch.tensor(step / 10)})
-        logger.record_episodes(torch.tensor([True]), torch.tensor([float(step)]), torch.tensor([5.0]))
+        logger.record_episodes(torch.tensor([float(step)]), torch.tensor([5]))
         logger.end_iteration(step)
         logger.flush()
     logger.close()
