@@ -12,13 +12,7 @@ import numpy as np
 import torch
 
 from leanrl.cli import UsageError, raise_on_sigterm
-
-# Flags a resumed run may change: they decide how a run is watched, saved or accelerated, not what it computes.
-HARMLESS_FLAGS = frozenset({
-    "resume", "run_dir", "log_every", "checkpoint_every", "progress", "track", "wandb_project_name", "wandb_entity",
-    "wandb_mode", "device", "compile", "cudagraphs", "eval_every", "eval_episodes", "eval_prompts", "capture_video",
-    "save_buffer",
-})
+from leanrl.config import HARMLESS_FLAGS
 
 
 class CheckpointError(UsageError):

@@ -1,7 +1,10 @@
-"""Plot one metric of one or several runs' `metrics.jsonl` to a PNG. The seeds of one experiment (same env_id and
-exp_name) form one curve: their mean against global_step, with the spread over seeds shaded.
+"""Plot one metric of one or several runs' `metrics.jsonl` to a PNG. Runs of one experiment form one curve: the same
+env_id and exp_name, and the same flags wherever a flag changes what a run computes (the learning rate, `--async`,
+the horizon; not `--seed`, `--compile` or `--log-every`). Each run is drawn to its own end, thin; the curve's mean
+over its runs, with their spread shaded, where all of them have data.
 
     python -m leanrl.plot runs/ --metric charts/episodic_return --out plot.png
+    python -m leanrl.plot runs/ --group-by env_id exp_name --label "{exp_name}: {seeds} seeds" --out by_name.png
     python -m leanrl.plot runs/CartPole-v1__ppo__1__1700000000 runs/CartPole-v1__ppo__2__1700000100/metrics.jsonl \\
         --metric losses/value_loss --spread minmax --smooth 5 --out value_loss.png
 """
@@ -9,43 +12,72 @@ exp_name) form one curve: their mean against global_step, with the spread over s
 import difflib
 import json
 import os
+import string
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import tyro
 
 from leanrl.cli import UsageError, clean_exit, require_extra
+from leanrl.config import computing_flags
 from leanrl.metrics import read_metrics
+
+IDENTITY = ("env_id", "exp_name", "seed")
 
 
 @dataclass
-class Run:
+class Series:
+    """One run's metric against global_step, and the flags it ran with."""
     path: str
-    env_id: str
-    exp_name: str
-    seed: int
+    config: dict
+    """config.json's flags, with env_id, exp_name and seed (from the directory name where config.json lacks them)"""
     steps: np.ndarray
     values: np.ndarray
+
+    @property
+    def env_id(self) -> str:
+        return self.config["env_id"]
+
+    @property
+    def exp_name(self) -> str:
+        return self.config["exp_name"]
+
+    @property
+    def seed(self) -> int:
+        return self.config["seed"]
 
 
 @dataclass
 class Curve:
-    """One experiment: its runs on a common step grid, their mean and the band of the spread."""
-    env_id: str
-    exp_name: str
-    seeds: list[int]
+    """One group of runs: each run (smoothed) to its own end, and their mean and spread on the steps where all of
+    them have data (`steps` is empty when they share none)."""
+    runs: list[Series]
     steps: np.ndarray
     mean: np.ndarray
     low: np.ndarray
     high: np.ndarray
+    label: str = ""
 
     @property
-    def label(self) -> str:
-        n = len(self.seeds)
-        return f"{self.exp_name} ({self.env_id}), {n} seed{'' if n == 1 else 's'}"
+    def env_id(self) -> str:
+        return self.runs[0].env_id
+
+    @property
+    def exp_name(self) -> str:
+        return self.runs[0].exp_name
+
+    @property
+    def seeds(self) -> list[int]:
+        """The distinct seeds of its runs."""
+        return sorted({run.seed for run in self.runs})
+
+    @property
+    def mean_ends_early(self) -> bool:
+        """Whether some run goes on past the steps the mean covers."""
+        return len(self.runs) > 1 and (not self.steps.size or any(r.steps[-1] > self.steps[-1] for r in self.runs))
 
 
 def find_metrics(path: str) -> list[str]:
@@ -60,9 +92,10 @@ def find_metrics(path: str) -> list[str]:
     return found
 
 
-def run_identity(run_dir: str) -> tuple[str, str, int]:
-    """(env_id, exp_name, seed) from the run's config.json; its directory name `<env>__<exp>__<seed>__<time>` fills
-    in what that lacks (runs from before config.json; GRPO runs, which have a task, not an env_id)."""
+def run_config(run_dir: str) -> dict:
+    """The run's config.json, its env_id, exp_name and seed filled in from its directory name
+    `<env>__<exp>__<seed>__<time>` where it lacks them (runs from before config.json; GRPO runs, which have a task,
+    not an env_id)."""
     config = {}
     if os.path.isfile(os.path.join(run_dir, "config.json")):
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -70,21 +103,27 @@ def run_identity(run_dir: str) -> tuple[str, str, int]:
     parts = os.path.basename(run_dir).split("__")
     if len(parts) >= 4 and parts[-2].lstrip("-").isdigit():
         config = {"env_id": parts[0], "exp_name": "__".join(parts[1:-2]), "seed": parts[-2], **config}
-    missing = [key for key in ("env_id", "exp_name", "seed") if key not in config]
+    missing = [key for key in IDENTITY if key not in config]
     if missing:
         raise UsageError(f"{run_dir!r}: no {', '.join(missing)} in a config.json or in a directory name "
                          "<env>__<exp>__<seed>__<time>")
-    return config["env_id"], config["exp_name"], int(config["seed"])
+    return {**config, "seed": int(config["seed"])}
 
 
-def read_run(metrics_path: str, metric: str) -> Run:
+def run_identity(run_dir: str) -> tuple[str, str, int]:
+    """(env_id, exp_name, seed) of a run directory, as `run_config` reads them."""
+    config = run_config(run_dir)
+    return tuple(config[key] for key in IDENTITY)
+
+
+def read_series(metrics_path: str, metric: str) -> Series:
     """The run's `metric` against global_step (empty if it logged none)."""
     points = [(row["global_step"], row[metric]) for row in read_metrics(metrics_path) if metric in row]
     steps, values = np.array(points, dtype=float).reshape(-1, 2).T
-    return Run(metrics_path, *run_identity(os.path.dirname(os.path.abspath(metrics_path))), steps, values)
+    return Series(metrics_path, run_config(os.path.dirname(os.path.abspath(metrics_path))), steps, values)
 
 
-def lacks(runs: list[Run], metric: str) -> str:
+def lacks(runs: list[Series], metric: str) -> str:
     """Why none of `runs` can be drawn: the metrics they did log, and the one that `metric` likely misspells."""
     present = sorted({key for run in runs for row in read_metrics(run.path) for key in row} - {"global_step"})
     guess = [key for key in present if key.endswith("/" + metric)] or difflib.get_close_matches(metric, present, 1)
@@ -93,28 +132,71 @@ def lacks(runs: list[Run], metric: str) -> str:
     return f"{where} has {metric!r}{hint}; {whose} metrics: {', '.join(present) or 'none'}"
 
 
-def smoothed(run: Run, window: int) -> tuple[np.ndarray, np.ndarray]:
+def smoothed(run: Series, window: int) -> Series:
     """Trailing moving average over `window` logged points (all of them if the run has fewer), each placed at the
     window's last step."""
     window = min(window, len(run.values))
     values = np.convolve(run.values, np.ones(window) / window, mode="valid")
-    return run.steps[window - 1:], values
+    return Series(run.path, run.config, run.steps[window - 1:], values)
 
 
-def curve(runs: list[Run], spread: str, smooth: int) -> Curve:
-    series = [smoothed(run, smooth) for run in runs]
-    first, last = max(s[0] for s, _ in series), min(s[-1] for s, _ in series)
-    if first > last:
-        raise UsageError(f"runs {[run.path for run in runs]} share no global_step range to average over")
-    grid = np.unique(np.concatenate([s[(s >= first) & (s <= last)] for s, _ in series]))
-    on_grid = np.stack([np.interp(grid, s, v) for s, v in series])
+def curve(runs: list[Series], spread: str) -> Curve:
+    """The runs' mean and spread on every step any of them logged within the range all of them cover (each run
+    interpolated there: no extrapolation)."""
+    first, last = max(r.steps[0] for r in runs), min(r.steps[-1] for r in runs)
+    grid = np.unique(np.concatenate([r.steps[(r.steps >= first) & (r.steps <= last)] for r in runs]))
+    on_grid = np.stack([np.interp(grid, r.steps, r.values) for r in runs])
     mean, std = on_grid.mean(0), on_grid.std(0)
     low, high = (mean - std, mean + std) if spread == "std" else (on_grid.min(0), on_grid.max(0))
-    return Curve(runs[0].env_id, runs[0].exp_name, [run.seed for run in runs], grid, mean, low, high)
+    return Curve(runs, grid, mean, low, high)
 
 
-def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int = 1) -> list[Curve]:
-    """One curve per (env_id, exp_name) among the runs under `paths`, in the order they are first found."""
+def group_keys(runs: list[Series], group_by: list[str] | None) -> list[str]:
+    """The flags that tell curves apart: `group_by` (checked against the runs' flags), or else env_id, exp_name and
+    every flag that changes what a run computes."""
+    known = {key for run in runs for key in run.config}
+    if group_by is None:
+        return ["env_id", "exp_name", *sorted(computing_flags(known) - set(IDENTITY))]
+    for key in group_by:
+        if key not in known:
+            guess = difflib.get_close_matches(key, known, 1)
+            raise UsageError(f"--group-by {key}: no run has that flag{f' (did you mean {guess[0]!r}?)' if guess else ''}"
+                             f"; their flags: {', '.join(sorted(known))}")
+    return list(group_by)
+
+
+def seeds_text(c: Curve) -> str:
+    n, runs = len(c.seeds), len(c.runs)
+    seeds = f"{n} seed{'' if n == 1 else 's'}"
+    return seeds if runs == n else f"{runs} runs of {seeds}"
+
+
+def default_labels(curves: list[Curve], keys: list[str]) -> None:
+    """`exp_name (env_id)`, the flags whose values tell this curve from the others drawn with it, and its seeds."""
+    differ = [k for k in keys if k not in ("env_id", "exp_name")
+              and len({repr(c.runs[0].config.get(k)) for c in curves}) > 1]
+    for c in curves:
+        flags = "".join(f", {k}={c.runs[0].config.get(k)}" for k in differ)
+        c.label = f"{c.exp_name} ({c.env_id}){flags}, {seeds_text(c)}"
+
+
+def format_labels(curves: list[Curve], label: str) -> None:
+    """`--label`: a format string of a curve's flags, `{seeds}` (distinct seeds) and `{runs}`."""
+    names = {name for _, name, _, _ in string.Formatter().parse(label) if name}
+    for c in curves:
+        values = {**c.runs[0].config, "seeds": len(c.seeds), "runs": len(c.runs)}
+        unknown = sorted(names - set(values))
+        if unknown:
+            raise UsageError(f"--label {label!r}: no flag {', '.join(map(repr, unknown))} in {c.runs[0].path}; "
+                             f"use {{seeds}}, {{runs}} or its flags: {', '.join(sorted(c.runs[0].config))}")
+        c.label = label.format(**values)
+
+
+def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int = 1,
+                group_by: list[str] | None = None, label: str | None = None) -> list[Curve]:
+    """One curve per group of the runs under `paths` (see the module's docstring; `group_by` names the flags that
+    group them instead), in the order their groups are first found, labelled by `label` or by what tells them
+    apart."""
     if not paths:
         raise UsageError("no runs given: pass run directories, folders of runs or metrics.jsonl files")
     if spread not in ("std", "minmax"):
@@ -125,7 +207,7 @@ def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int 
     runs, lacking, unnamed = [], [], []  # unnamed: why a run has no identity
     for f in files:
         try:
-            run = read_run(f, metric)
+            run = read_series(f, metric)
         except UsageError as e:
             unnamed.append(str(e))
             continue
@@ -138,29 +220,45 @@ def load_curves(paths: list[str], metric: str, spread: str = "std", smooth: int 
         experiments = Counter(f"{run.exp_name} ({run.env_id})" for run in lacking)
         print(f"leanrl.plot: left out {len(lacking)} run{'s' * (len(lacking) > 1)} that logged no {metric!r}: "
               + ", ".join(f"{n} of {experiment}" for experiment, n in experiments.items()), file=sys.stderr)
-    groups: dict[tuple[str, str], list[Run]] = {}
+    keys = group_keys(runs, group_by)
+    groups: dict[tuple, list[Series]] = {}
     for run in runs:
         # run names lose the '/' of env ids: a run without config.json still joins its experiment
-        groups.setdefault((run.env_id.replace("/", "-"), run.exp_name), []).append(run)
-    return [curve(group, spread, smooth) for group in groups.values()]
+        key = tuple(run.env_id.replace("/", "-") if k == "env_id" else repr(run.config.get(k)) for k in keys)
+        groups.setdefault(key, []).append(smoothed(run, smooth))
+    curves = [curve(group, spread) for group in groups.values()]
+    if label is None:
+        default_labels(curves, keys)
+    else:
+        format_labels(curves, label)
+    return curves
 
 
-def plot_runs(paths: list[str], metric: str, out: str, spread: str = "std", smooth: int = 1) -> str:
-    """Draw `metric` of the runs under `paths` (mean over seeds, `spread` shaded) to the PNG `out`; returns `out`."""
-    curves = load_curves(paths, metric, spread, smooth)
+def plot_runs(paths: list[str], metric: str, out: str, spread: str = "std", smooth: int = 1,
+              group_by: list[str] | None = None, label: str | None = None) -> str:
+    """Draw `metric` of the runs under `paths` (see `load_curves`) to the PNG `out`; returns `out`."""
+    curves = load_curves(paths, metric, spread, smooth, group_by, label)
     require_extra("leanrl.plot", "matplotlib", "plots")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 4))  # a bare Figure renders with Agg and leaves pyplot's backend alone
+    # the legend goes below the axes, a line per curve
+    fig = Figure(figsize=(6, 4 + 0.22 * len(curves)))  # a bare Figure renders with Agg, pyplot's backend untouched
     ax = fig.subplots()
     for c in curves:
-        (line,) = ax.plot(c.steps, c.mean, label=c.label)
-        if len(c.seeds) > 1:
-            ax.fill_between(c.steps, c.low, c.high, color=line.get_color(), alpha=0.25, linewidth=0)
+        if len(c.runs) == 1:
+            ax.plot(c.runs[0].steps, c.runs[0].values, label=c.label)
+            continue
+        ends = f"; mean to step {c.steps[-1]:,.0f}" if c.mean_ends_early and c.steps.size else \
+            "; no step common to all" if not c.steps.size else ""
+        (line,) = ax.plot(c.steps, c.mean, label=c.label + ends)
+        for run in c.runs:  # each to its own end
+            ax.plot(run.steps, run.values, color=line.get_color(), alpha=0.35, linewidth=0.8)
+        ax.fill_between(c.steps, c.low, c.high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set(xlabel="global_step", ylabel=metric, title=curves[0].label if len(curves) == 1 else metric)
-    several_seeds = any(len(c.seeds) > 1 for c in curves)
-    ax.legend(title=f"mean ± {'std' if spread == 'std' else 'min–max'} over seeds" if several_seeds else None,
-              fontsize="small", title_fontsize="small")
+    several = any(len(c.runs) > 1 for c in curves)
+    title = f"mean ± {'std' if spread == 'std' else 'min–max'} where all runs have data; thin: each run"
+    ax.legend(title=title if several else None, fontsize="small", title_fontsize="small", loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     if os.path.dirname(out):
@@ -178,12 +276,18 @@ class Args:
     out: str = "plot.png"
     """the PNG to write"""
     spread: Literal["std", "minmax"] = "std"
-    """band over seeds: mean ± standard deviation, or min to max"""
+    """band over the runs of a curve: mean ± standard deviation, or min to max"""
     smooth: int = 1
     """moving average over this many logged points, per run before averaging (1: none)"""
+    group_by: list[str] | None = field(default=None)
+    """the flags (config.json's keys) whose values make a curve (default: env_id, exp_name and every flag that
+    changes what a run computes)"""
+    label: str | None = None
+    """a curve's legend, formatted from its flags, `{seeds}` and `{runs}`, e.g. "{exp_name} lr={learning_rate}"
+    (default: exp_name, env_id, the flags that tell the curves apart, the seeds)"""
 
 
 if __name__ == "__main__":
     a = tyro.cli(Args, description=__doc__)
     with clean_exit():  # bad input (UsageError): its one-line message, no traceback
-        print(plot_runs(a.paths, a.metric, a.out, a.spread, a.smooth))
+        print(plot_runs(a.paths, a.metric, a.out, a.spread, a.smooth, a.group_by, a.label))

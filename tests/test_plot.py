@@ -115,7 +115,7 @@ def test_plot_runs_writes_a_png(runs, tmp_path):
     assert plot.plot_runs([str(runs)], METRIC, str(out), spread="minmax", smooth=2) == str(out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(out)
-    assert image.shape[:2] == (400, 600)  # 6 x 4 inches at 100 dpi
+    assert image.shape[1] == 600 and image.shape[0] > 400  # 6 inches wide at 100 dpi, the legend below
     assert image[..., :3].std() > 0.05  # something was drawn on the white
 
 
@@ -155,3 +155,55 @@ def test_missing_matplotlib_says_how_to_install(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     with pytest.raises(ImportError, match=r"^leanrl.plot needs matplotlib: pip install 'leanrl\[plots\]'$"):
         plot.plot_runs([str(runs)], METRIC, str(tmp_path / "plot.png"))
+
+
+def flags(seed, **kw):
+    return {"env_id": "toy/Env-v0", "exp_name": "a", "seed": seed, "learning_rate": 1e-3, "async_": False,
+            "total_timesteps": 30, "compile": False, "log_every": 1, **kw}
+
+
+def test_a_curve_counts_distinct_seeds_and_its_flags_make_it(tmp_path):
+    """Three runs of seed 1 are not three seeds; a flag that changes what a run computes (the learning rate,
+    --async) makes another curve, named by it; one that does not (--compile, --log-every) does not."""
+    rows = [{"global_step": s, METRIC: float(s)} for s in (10, 20, 30)]
+    for i in range(3):
+        write_run(tmp_path, f"toy-Env-v0__a__1__{1700000000 + i}", rows, flags(1, compile=i == 1, log_every=1 + i))
+    write_run(tmp_path, "toy-Env-v0__a__2__1700000010", rows, flags(2, learning_rate=3e-4))
+    write_run(tmp_path, "toy-Env-v0__a__3__1700000020", rows, flags(3, async_=True))
+    same, lr, asynchronous = plot.load_curves([str(tmp_path)], METRIC)
+    assert (len(same.runs), same.seeds) == (3, [1])
+    assert same.label == "a (toy/Env-v0), async_=False, learning_rate=0.001, 3 runs of 1 seed"
+    assert lr.label == "a (toy/Env-v0), async_=False, learning_rate=0.0003, 1 seed"
+    assert asynchronous.label == "a (toy/Env-v0), async_=True, learning_rate=0.001, 1 seed"
+
+
+def test_each_run_keeps_its_end_and_the_mean_says_where_it_stops(tmp_path):
+    """An interrupted run does not cut the others: each run is drawn to its own end, the mean covers the steps
+    where all of them have data, and the legend says so."""
+    write_run(tmp_path, "toy-Env-v0__a__1__1700000000", [{"global_step": s, METRIC: 1.0} for s in (10, 20)],
+              flags(1))
+    for seed in (2, 3):
+        write_run(tmp_path, f"toy-Env-v0__a__{seed}__1700000000",
+                  [{"global_step": s, METRIC: float(seed)} for s in (10, 20, 30, 40)], flags(seed))
+    (c,) = plot.load_curves([str(tmp_path)], METRIC)
+    assert [r.steps[-1] for r in c.runs] == [20, 40, 40] and c.seeds == [1, 2, 3]
+    np.testing.assert_array_equal(c.steps, [10, 20])
+    np.testing.assert_allclose(c.mean, [2, 2])
+    assert c.mean_ends_early
+
+
+def test_group_by_and_label_are_the_users(tmp_path):
+    rows = [{"global_step": s, METRIC: float(s)} for s in (10, 20)]
+    write_run(tmp_path, "toy-Env-v0__a__1__1700000000", rows, flags(1))
+    write_run(tmp_path, "toy-Env-v0__a__2__1700000000", rows, flags(2, learning_rate=3e-4))
+    (c,) = plot.load_curves([str(tmp_path)], METRIC, group_by=["env_id", "exp_name"],
+                            label="{exp_name}: {seeds} seeds, {runs} runs")
+    assert (c.label, c.seeds) == ("a: 2 seeds, 2 runs", [1, 2])
+    lr, _ = plot.load_curves([str(tmp_path)], METRIC, label="lr={learning_rate}")
+    assert lr.label == "lr=0.001"
+    with pytest.raises(ValueError, match=r"^--group-by learning_rat: no run has that flag \(did you mean "
+                                         r"'learning_rate'\?\); their flags: async_, compile, env_id, "):
+        plot.load_curves([str(tmp_path)], METRIC, group_by=["learning_rat"])
+    with pytest.raises(ValueError, match=r"^--label '\{lr\}': no flag 'lr' in .*; use \{seeds\}, \{runs\} or its "
+                                         r"flags: async_, compile, "):
+        plot.load_curves([str(tmp_path)], METRIC, label="{lr}")
