@@ -608,11 +608,11 @@ def rank_logging(args: Args, run_dir: str, rank: int, total_steps: int, start_st
     run_dir/rank<r> (its sample times show a straggler), quietly."""
     if rank == 0:
         return (leanrl.Logger.from_args(args, run_dir, total_steps, start_step=start_step, checkpoint=checkpoint_path,
-                                        return_metric="charts/reward_mean"),
+                                        return_metric="charts/reward_mean", unit="sequence"),
                 leanrl.save_on_interrupt(checkpoint_path, state_fn, args))
     quiet = dataclasses.replace(args, track=False, progress=False)
     return (leanrl.Logger.from_args(quiet, os.path.join(run_dir, f"rank{rank}"), total_steps, start_step=start_step,
-                                    summary=False), contextlib.nullcontext())
+                                    summary=False, unit="sequence"), contextlib.nullcontext())
 
 
 # ---------------------------------------------------------------------------- the loop

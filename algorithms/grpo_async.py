@@ -15,7 +15,7 @@ Depends on: algorithms/grpo.py (its math, model and update), leanrl.pipeline, an
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -24,6 +24,7 @@ from tensordict import from_module
 import leanrl
 import leanrl.pipeline
 from leanrl.algorithms import grpo
+from leanrl.config import ASYNC_ONLY
 from leanrl.data_parallel import DataParallel
 from leanrl.pipeline import AsyncArgs, check_settings
 
@@ -35,7 +36,7 @@ class Args(grpo.Args, AsyncArgs):
     loss: Literal["clip", "truncated_is", "decoupled"] = "decoupled"
     """clipped ratio to the sampler's log-probs (naive on stale data), truncated-IS REINFORCE on them
     (PipelineRL), or decoupled PPO with the trainer's proximal log-probs (AReaL)"""
-    recompute_kv: bool = False
+    recompute_kv: bool = field(default=False, metadata=ASYNC_ONLY)
     """after an in-flight update, recompute the running sequences' KV cache with the new weights (AReaL);
     default: keep it (PipelineRL)"""
 

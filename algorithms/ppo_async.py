@@ -5,7 +5,7 @@ the collector and the trainer's loop. Depends on torch, tensordict, `leanrl` (it
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Literal
 
@@ -15,6 +15,7 @@ from tensordict import TensorDict, from_module
 import leanrl
 import leanrl.pipeline
 from leanrl.algorithms import ppo
+from leanrl.config import ASYNC_ONLY
 from leanrl.pipeline import AsyncArgs
 
 
@@ -22,8 +23,10 @@ from leanrl.pipeline import AsyncArgs
 class Args(ppo.Args, AsyncArgs):
     """PPO's arguments and the pipeline's (`--async` chooses this loop in the scripts)."""
 
-    correction: Literal["decoupled", "truncated_is", "none"] = "decoupled"
+    correction: Literal["decoupled", "truncated_is", "none"] = field(default="decoupled", metadata=ASYNC_ONLY)
     """stale-data correction: decoupled PPO (AReaL), truncated IS (PipelineRL), or none (naive PPO)"""
+    is_clip: float = field(default=2.0, metadata=ASYNC_ONLY)
+    """truncation of the importance weights: behaviour ratio (truncated_is), proximal/behaviour (decoupled)"""
 
 
 def check_args(args: Args) -> tuple[int, int, int]:

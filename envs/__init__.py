@@ -7,6 +7,8 @@ next_obs is already reset where the episode ended, final_obs is the true last ob
 `state_dict()`, `load_state_dict(sd)` (what a checkpoint keeps), `statistics()`, `load_statistics(sd)` (what a
 policy trained on the envs needs in new ones: the normalizers' running statistics, {} for most envs), `close()`.
 """
+import contextlib
+import difflib
 import os
 import re
 
@@ -15,12 +17,20 @@ import torch
 
 from leanrl.cli import UsageError, import_user_module, require_extra
 
-SUPPORTED = (
-    "Atari: 'ALE/<Game>-v5' or '<Game>NoFrameskip-v4', e.g. 'ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'; "
-    "gymnasium/MuJoCo: any registered id, e.g. 'HalfCheetah-v5', 'Hopper-v5', 'Pendulum-v1', 'CartPole-v1'; "
-    "on-device torch: 'torch/CartPole-v1', 'torch/Pendulum-v1'; "
-    "your own gymnasium env: 'module:EnvId', the module registering EnvId when imported"
-)
+FAMILIES = ("Atari ('ALE/Breakout-v5', 'BreakoutNoFrameskip-v4'), gymnasium and MuJoCo ('HalfCheetah-v5', "
+            "'CartPole-v1'), on-device torch ('torch/CartPole-v1', 'torch/Pendulum-v1'), or your own 'module:EnvId'")
+
+
+def unknown_env_id(env_id: str) -> UsageError:
+    """The error for an env id no family knows: the ids it most likely misspells, else the families."""
+    from .torch_envs import TORCH_ENVS
+
+    with contextlib.suppress(ImportError):
+        import ale_py  # noqa: F401 (registers the ALE/ ids with gymnasium)
+    close = difflib.get_close_matches(env_id, [*gymnasium.registry, *TORCH_ENVS], n=3, cutoff=0.75)
+    if close:
+        return UsageError(f"--env-id {env_id!r}: unknown; did you mean {', '.join(map(repr, close))}?")
+    return UsageError(f"--env-id {env_id!r}: unknown; the ids: {FAMILIES}")
 
 
 def check_recordable(env_id: str) -> None:
@@ -69,4 +79,4 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
         from .gym import GymEnv
 
         return GymEnv(env_id, num_envs, device, seed, **kwargs)
-    raise UsageError(f"Unknown env id {env_id!r}. Supported families: {SUPPORTED}")
+    raise unknown_env_id(env_id)

@@ -27,6 +27,24 @@ from leanrl.cli import MissingExtra, UsageError, missing_extra
 from leanrl.gym_adapter import TorchVectorEnv
 
 
+# gymnasium's MuJoCo models set `settotalmass`, which MuJoCo 4 compiles with a deprecation warning for every env made:
+# noise about gymnasium's files, not the user's. Every other MuJoCo warning is printed as MuJoCo would.
+MUJOCO_NOISE = ("compiler attribute 'settotalmass' is deprecated",)
+
+
+def _mujoco_warning(message: str):
+    if not message.startswith(MUJOCO_NOISE):
+        print(f"WARNING: {message}", file=sys.stderr)
+
+
+def _quiet_mujoco():
+    try:
+        import mujoco
+    except ImportError:
+        return
+    mujoco.set_mju_user_warning(_mujoco_warning)
+
+
 class GymEnv(TorchVectorEnv):
     def __init__(self, env_id: str, num_envs: int, device="cpu", seed: int = 0,
                  normalize_obs: bool | None = None, normalize_reward: bool | None = None,
@@ -34,6 +52,8 @@ class GymEnv(TorchVectorEnv):
         """normalize_obs / normalize_reward default to True for Box action spaces, False otherwise;
         off-policy methods (TD3, SAC) pass False. `gamma` is the reward normalizer's discount.
         `video_folder`: record every episode of sub-env 0 there as mp4 (see above)."""
+        if "mujoco" in str(gym.spec(env_id).entry_point):
+            _quiet_mujoco()
         try:  # on 2 cores Sync beats Async
             if video_folder is None:
                 env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",

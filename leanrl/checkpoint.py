@@ -5,11 +5,13 @@ import contextlib
 import os
 import random
 import signal
+import sys
 import threading
 from dataclasses import MISSING, asdict, fields
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from leanrl.cli import UsageError, raise_on_sigterm
 from leanrl.config import HARMLESS_FLAGS
@@ -95,10 +97,9 @@ def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> 
         raise CheckpointError(f"--resume {path}: no checkpoint at that path")
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # torch.load's errors for a torn or foreign file are its internals (pickle, zip, OS)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"--resume {path}: not a readable checkpoint, torn or not written by leanrl "
-                              f"({type(e).__name__}: {reason})") from None
+    except Exception:  # torch.load's errors for a torn or foreign file speak of its internals (pickle, zip, OS)
+        raise CheckpointError(f"--resume {path}: not a readable checkpoint (cut short, or not a file leanrl "
+                              "wrote)") from None
     if not isinstance(state, dict) or "rng" not in state:
         raise CheckpointError(f"--resume {path}: not a leanrl checkpoint (no RNG state in it)")
     if args is not None:
@@ -118,7 +119,8 @@ def save_on_interrupt(path: str, state_fn, args=None):
         yield
     except KeyboardInterrupt:
         save_checkpoint(path, state_fn(), args)
-        print(f"interrupted; checkpoint saved (resume with --resume {path})", flush=True)
+        # on a line of its own, the progress bar cleared off it first
+        tqdm.write(f"interrupted; checkpoint saved (resume with --resume {path})", file=sys.stdout)
         raise
     finally:
         if main:

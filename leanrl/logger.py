@@ -6,7 +6,6 @@ import os
 import statistics
 import time
 from collections import deque
-from dataclasses import asdict
 
 import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -15,6 +14,7 @@ from tqdm import tqdm
 
 from leanrl.acceleration import WARMUP, sync_cuda
 from leanrl.cli import signals_deferred
+from leanrl.config import config_of
 
 SUMMARY_WINDOW = 10  # logged values of the return metric the summary averages: one value alone is noisy
 
@@ -35,10 +35,10 @@ class Logger:
     def __init__(self, run_dir, config: dict, total_steps: int, *, track=False, wandb_mode="offline",
                  wandb_project="leanrl", wandb_entity=None, run_name=None, burn_in: int = WARMUP, start_step: int = 0,
                  progress=True, checkpoint: str | None = None, return_metric: str = "charts/episodic_return",
-                 summary: bool = True):
+                 summary: bool = True, unit: str = "step"):
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir, self.total_steps, self.checkpoint = run_dir, total_steps, checkpoint
-        self.return_metric, self.best_return, self.summary = return_metric, None, summary
+        self.return_metric, self.best_return, self.summary, self.unit = return_metric, None, summary, unit
         self.recent_returns = deque(maxlen=SUMMARY_WINDOW)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=1, default=str)
@@ -54,7 +54,7 @@ class Logger:
         self.pending: dict[str, torch.Tensor] = {}
         self.episode_sums = None  # (return sum, length sum, count) of episodes ended since the last flush
         self.last = {}
-        self.pbar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+        self.pbar = tqdm(total=total_steps, initial=start_step, unit=unit, dynamic_ncols=True,
                          disable=not progress, mininterval=1.0)
         self.step = start_step
         self.wandb = None
@@ -65,8 +65,9 @@ class Logger:
 
     @classmethod
     def from_args(cls, args, run_dir: str, total_steps: int, start_step: int = 0, **kwargs) -> "Logger":
-        """A Logger configured by a run's `RunArgs` fields (tracking, progress bar), its config the args."""
-        return cls(run_dir, asdict(args), total_steps, track=args.track, wandb_mode=args.wandb_mode,
+        """A Logger configured by a run's `RunArgs` fields (tracking, progress bar), its config the args (see
+        `leanrl.config.config_of`)."""
+        return cls(run_dir, config_of(args), total_steps, track=args.track, wandb_mode=args.wandb_mode,
                    wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity,
                    run_name=os.path.basename(os.path.normpath(run_dir)), start_step=start_step,
                    progress=args.progress, **kwargs)
@@ -144,7 +145,7 @@ class Logger:
         self.pbar.n = self.step
         postfix = {}
         if "charts/SPS" in self.last:
-            postfix["SPS"] = f"{self.last['charts/SPS']:.0f}"
+            postfix["SPS" if self.unit == "step" else f"{self.unit}s/s"] = f"{self.last['charts/SPS']:.0f}"
         if "charts/episodic_return" in self.last:
             postfix["return"] = f"{self.last['charts/episodic_return']:.1f}"
         self.pbar.set_postfix(postfix, refresh=True)
@@ -174,10 +175,12 @@ class Logger:
     def summary_text(self, stopped_by: str | None = None) -> str:
         """The end-of-run summary; `stopped_by` says what ended a run before its last step."""
         wall = time.perf_counter() - self.t_start
-        ended = f"stopped by {stopped_by} at step {self.step:,}" if stopped_by else f"{self.step:,} steps"
+        unit = self.unit
+        ended = f"stopped by {stopped_by} at {unit} {self.step:,}" if stopped_by else f"{self.step:,} {unit}s"
         sps = self.last.get("charts/SPS")
-        speed = f", {sps:,.0f} SPS after {self.warmup_time:.1f} s warm-up" if sps and self.warmup_time else ""
-        lines = [f"run:        {self.run_dir}", f"steps:      {ended} of {self.total_steps:,} in {wall:.1f} s{speed}"]
+        rate = "SPS" if unit == "step" else f"{unit}s/s"
+        speed = f", {sps:,.0f} {rate} after {self.warmup_time:.1f} s warm-up" if sps and self.warmup_time else ""
+        lines = [f"run:        {self.run_dir}", f"{unit + 's:':<12}{ended} of {self.total_steps:,} in {wall:.1f} s{speed}"]
         if self.best_return is None:
             lines.append(f"return:     none logged ({self.return_metric})")
         else:

@@ -6,6 +6,7 @@ Logger's burn-in for a run that compiles only once learning starts, the vmapped 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ def make_replay_buffer(size: int, batch_size: int, device) -> ReplayBuffer:
     `extend`, with the keys, shapes and dtypes of that first batch). `sample()` draws `batch_size`
     transitions uniformly, with replacement, so every batch has the same shape: what a graphed update needs."""
     from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # its INFO lines say it allocated the storage
 
     if batch_size > size:
         raise ValueError(f"batch_size = {batch_size} is larger than buffer_size = {size}")

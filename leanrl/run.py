@@ -10,13 +10,14 @@ from typing import Literal
 import numpy as np
 import torch
 
+from leanrl.checkpoint import algorithm_of
 from leanrl.cli import UsageError
 
 
 @dataclass
 class RunArgs:
-    exp_name: str = "leanrl"
-    """the name of this experiment (prefix of the run directory)"""
+    exp_name: str = ""
+    """the name of this experiment, in the run directory's name (default: the algorithm's, e.g. ppo)"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
@@ -47,6 +48,10 @@ class RunArgs:
     """path of a checkpoint to resume from"""
     progress: bool = True
     """show a tqdm progress bar"""
+
+    def __post_init__(self):
+        if not self.exp_name:
+            self.exp_name = algorithm_of(self)
 
 
 def check_flags(args, positive=(), non_negative=(), unit_interval=()) -> None:

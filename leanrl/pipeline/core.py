@@ -9,13 +9,14 @@ bound holds by construction (admission control), and the trainer checks it on ev
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import torch
 import tyro
 
 from leanrl.cli import UsageError
+from leanrl.config import ASYNC_ONLY
 
 TRANSPORTS = ("threads", "processes", "distributed")
 
@@ -24,18 +25,16 @@ TRANSPORTS = ("threads", "processes", "distributed")
 class AsyncArgs:
     async_: Annotated[bool, tyro.conf.arg(name="async")] = False
     """run collectors and the trainer concurrently (weights updated in flight, bounded staleness)"""
-    num_collectors: int = 2
+    num_collectors: int = field(default=2, metadata=ASYNC_ONLY)
     """number of collector roles (with --transport distributed: the torchrun world size minus one)"""
-    max_lag: int = 2
+    max_lag: int = field(default=2, metadata=ASYNC_ONLY)
     """hard bound on trainer version minus behaviour version of any consumed transition"""
-    publish_every: int = 1
+    publish_every: int = field(default=1, metadata=ASYNC_ONLY)
     """send the weights to the collectors every this many trainer versions (one version per consumed batch);
     at most max_lag + 1, so that the collectors can always be admitted"""
-    is_clip: float = 2.0
-    """truncation of the importance weights: behaviour ratio (truncated_is), proximal/behaviour (decoupled)"""
-    deterministic: bool = False
+    deterministic: bool = field(default=False, metadata=ASYNC_ONLY)
     """batch i is produced exactly by version i - max_lag: bitwise reproducible whatever the speeds"""
-    transport: Literal["threads", "processes", "distributed"] = "threads"
+    transport: Literal["threads", "processes", "distributed"] = field(default="threads", metadata=ASYNC_ONLY)
     """threads in one process, processes sharing memory, or torch.distributed ranks launched by torchrun"""
 
 
