@@ -268,6 +268,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     dqn = DQN(args, envs, device)
+    leanrl.set_threads(args.threads, dqn.q_network)  # before the first compiled call
     rb = make_replay_buffer(args.buffer_size, args.batch_size, args.buffer_device or device)
     run, ckpt_path = start(dqn, rb, args, envs)
     eval_envs = open_eval_envs(args, make_eval_envs, os.path.dirname(ckpt_path))

@@ -514,6 +514,7 @@ def prepare_model(args: Args, task, device) -> str:
     if not os.path.isfile(os.path.join(out, "config.json")):
         # in float32 whatever --dtype is: bfloat16 weights would round most of its steps away (see Learner)
         model, tokenizer = load_model(base, device=device, progress=False)
+        leanrl.set_threads(args.threads, model)
         warm_start(model, tokenizer, task, args, device)
         save_cached(model, tokenizer, out)
     return out
@@ -558,9 +559,10 @@ def check_args(args: Args, world: int = 1):
         require_vllm()
 
 
-def load_policy(args: Args, device, model_dir: str | None = None):
+def load_policy(args: Args, device, model_dir: str | None = None, processes: int = 1):
     """Task, model (prepared and warm-started, or loaded from `model_dir`), tokenizer and the model's directory:
-    what the sync loop, the async trainer and every async collector build identically."""
+    what the sync loop, the async trainer and every async collector build identically. `processes`: those of the
+    run computing at once on this machine, which share its cores (`leanrl.set_threads`)."""
     if not args.progress:  # transformers' own bars too (loading, converting a named model): a process-wide switch
         from transformers.utils import logging as transformers_logging
 
@@ -569,6 +571,7 @@ def load_policy(args: Args, device, model_dir: str | None = None):
     collector = model_dir is not None  # it loads what the trainer prepared and loaded: one "Loading weights" bar
     model_dir = model_dir or prepare_model(args, task, device)
     model, tokenizer = load_model(model_dir, device=device, dtype=getattr(torch, args.dtype), progress=not collector)
+    leanrl.set_threads(args.threads, model, processes=processes, quiet=collector)
     if args.chat_template:
         encode(tokenizer, "", chat=True)  # no chat template: the error here, not in a collector
     return task, model, tokenizer, model_dir

@@ -52,6 +52,11 @@ def check_args(args: Args):
                                 "--transport processes, --num-collectors 1, or engines in processes of their own")
 
 
+def processes(args: Args) -> int:
+    """The processes of this run that compute at once on this machine (leanrl.set_threads shares the cores)."""
+    return args.num_collectors + 1 if args.transport == "processes" else 1
+
+
 def batch_template(sampler, args: Args):
     """A sampler batch plus what a collector adds: the rewards and its sampler's statistics (per row, so the
     batch keeps one batch dimension)."""
@@ -66,7 +71,7 @@ def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, 
     """A collector role: its own model copy and Sampler; fills each admitted batch slot, scores it, sends it.
     It reads prompt stream `first_stream + ctx.rank` of `num_streams` (default: one per collector)."""
     leanrl.seed_everything(args.seed + 1 + ctx.rank, args.torch_deterministic)
-    task, model, tokenizer, _ = grpo.load_policy(args, device, model_dir)
+    task, model, tokenizer, _ = grpo.load_policy(args, device, model_dir, processes(args))
     sampler = grpo.make_sampler(model, tokenizer, args, model_dir,
                                 recompute_kv=args.recompute_kv, seed=args.seed + 1 + ctx.rank)
     # Stream s is prompts offset + s, offset + s + n, ...: streams never overlap and are the same every run.
@@ -113,7 +118,8 @@ def train(args: Args, collector=grpo_collector) -> dict:
     rank, world, device = data_parallel.rank, data_parallel.world, data_parallel.device
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     # The first rank builds the warm-start cache, the others load it.
-    task, model, tokenizer, model_dir = data_parallel.in_turns(lambda: grpo.load_policy(args, device))
+    task, model, tokenizer, model_dir = data_parallel.in_turns(lambda: grpo.load_policy(args, device,
+                                                                                         processes=processes(args)))
     learner = grpo.Learner(model, args, device, max_lag=args.max_lag, data_parallel=data_parallel)
     B = args.num_prompts * args.group_size
     num_iterations = args.total_timesteps // B

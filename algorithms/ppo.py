@@ -525,6 +525,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
 
     agent = make_agent(envs.single_observation_space, envs.single_action_space, device)
+    leanrl.set_threads(args.threads, agent)  # before anything compiles: inductor sizes its loops by the threads
     # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
     agent_inference = make_agent(envs.single_observation_space, envs.single_action_space, "meta")
     from_module(agent).data.to_module(agent_inference)

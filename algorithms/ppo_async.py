@@ -110,6 +110,11 @@ def make_logprob(agent):
     return logprob
 
 
+def processes(args: Args) -> int:
+    """The processes of this run that compute at once on this machine (leanrl.set_threads shares the cores)."""
+    return args.num_collectors + 1 if args.transport == "processes" else 1
+
+
 # ----------------------------------------------------------------------------------------- the collector
 def batch_template(storage, statistics: dict) -> TensorDict:
     """What a collector sends: the rollout storage, GAE's inputs and the version of every step, and its envs'
@@ -131,6 +136,7 @@ def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None
     if statistics is not None:
         envs.load_statistics(statistics)
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
+    leanrl.set_threads(args.threads, agent, processes=processes(args), quiet=True)
     act, get_value = ppo.make_acting(agent, envs, args, leanrl.wrap_flags(args, device))
     storage = ppo.make_storage(envs, args, device)
     next_obs, versions = envs.reset(seed=seed), []
@@ -186,6 +192,7 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     ckpt_path = f"{run_dir}/checkpoint.pt"
 
     agent = ppo.make_agent(spec.single_observation_space, spec.single_action_space, device)
+    leanrl.set_threads(args.threads, agent, processes=processes(args))
     agent_inference = ppo.make_agent(spec.single_observation_space, spec.single_action_space, "meta")
     from_module(agent).data.to_module(agent_inference)
     wrap = leanrl.wrap_flags(args, device)

@@ -258,6 +258,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     td3 = TD3(args, envs, device)
+    leanrl.set_threads(args.threads, td3.actor, td3.q_params)  # before the first compiled call
     # No schedule depends on the horizon: a resumed run may go on longer.
     run, ckpt_path = start(td3, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs,
                            may_change=("learning_starts", "total_timesteps"))

@@ -32,6 +32,7 @@ MODES = {"eager": (False, False), "compile": (True, False), "cudagraphs": (False
 def ppo_calls(args, envs, device) -> dict:
     """PPO's policy and update, built from ppo.py's pieces as its `train` builds them, on its storage's shapes."""
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device)
+    leanrl.set_threads(args.threads, agent, quiet=True)  # as train does
     agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
     from_module(agent).data.to_module(agent_inference)
     wrap = leanrl.wrap_flags(args, device)
@@ -47,12 +48,16 @@ def ppo_calls(args, envs, device) -> dict:
 
 def offpolicy_calls(learner_cls, benchmark_calls=box_calls):
     def calls(args, envs, device):
-        return benchmark_calls(learner_cls(args, envs, device), args, device)
+        learner = learner_cls(args, envs, device)
+        leanrl.set_threads(args.threads, learner.actor, learner.q_params, quiet=True)  # as train does
+        return benchmark_calls(learner, args, device)
     return calls
 
 
 def dqn_calls(args, envs, device):
-    return dqn.DQN(args, envs, device).benchmark_calls(args, envs.single_observation_space.shape, device)
+    learner = dqn.DQN(args, envs, device)
+    leanrl.set_threads(args.threads, learner.q_network, quiet=True)  # as train does
+    return learner.benchmark_calls(args, envs.single_observation_space.shape, device)
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,8 @@ class Bench:
     """torch.compile the sampler's decode step and the update"""
     cudagraphs: bool = False
     """capture them in CUDA graphs (on a CUDA device)"""
-    threads: int | None = None
-    """torch CPU threads (default: torch's)"""
+    threads: int = 0
+    """torch CPU threads (0: leanrl.set_threads' choice for the model's size)"""
     run_dir: str = "runs/grpo_learning_curve"
     """where the run (and its warm start) goes"""
     out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -78,15 +78,13 @@ class Bench:
 
 
 def main(b: Bench):
-    if b.threads:
-        torch.set_num_threads(b.threads)
     B = b.num_prompts * b.group_size
     args = grpo.Args(model=b.model, learning_rate=b.learning_rate, num_prompts=b.num_prompts,
                      group_size=b.group_size, max_len=b.max_len, num_slots=b.num_slots, update_epochs=b.update_epochs,
                      micro_batch=B // 4, sft_steps=b.sft_steps, sft_batch=b.sft_batch,
                      sft_learning_rate=b.sft_learning_rate, run_dir=b.run_dir, exp_name=f"curve_{b.model}",
                      device=b.device, dtype=b.dtype, compile=b.compile, cudagraphs=b.cudagraphs, progress=False,
-                     log_every=1, checkpoint_every=0)
+                     log_every=1, checkpoint_every=0, threads=b.threads)
     device = leanrl.resolve_device(b.device)
     eval_args = replace(args, compile=False, cudagraphs=False)
     t0 = time.perf_counter()

@@ -42,7 +42,7 @@ def spawn(name: str, modes: list, device, a, cache_dir: str | None) -> dict:
         result = os.path.join(tmp, "result.json")
         cmd = [sys.executable, os.path.join(HERE, "worker.py"), name, "--modes", ",".join(modes), "--device",
                str(device), "--repeats", str(a.repeats), "--result", result, *(["--quick"] if a.quick else []),
-               *(["--threads", str(a.threads)] if a.threads else [])]
+               "--threads", str(a.threads)]
         env = {**os.environ, **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {})}
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         tail = collections.deque(maxlen=5)
@@ -70,8 +70,13 @@ def measure_entry(name: str, modes: list, device, a, cache_dir: str | None, comm
         args = make_args(name, a.quick)
     print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     return dict(env_id=args.env_id, num_envs=args.num_envs, device=str(device), commit=commit,
-                threads=a.threads or torch.get_num_threads(), wall_s=time.perf_counter() - t,
+                threads=threads_setting(a.threads), wall_s=time.perf_counter() - t,
                 measured_at=time.strftime("%Y-%m-%d %H:%M"), modes={m: measured[m] for m in modes})
+
+
+def threads_setting(threads: int):
+    """What a results file records of --threads: the number, or how the runs chose theirs."""
+    return threads or "leanrl.set_threads (by model size)"
 
 
 def bad_numbers(obj, path="") -> list:
@@ -116,8 +121,8 @@ def main():
     p.add_argument("--cold-compile", action="store_true",
                    help="start from an empty inductor cache, so compile times are those of a new machine")
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core); on a machine "
-                   "shared with other jobs, 1 avoids measuring OpenMP threads waiting for a descheduled peer")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: what a run of the entry's script "
+                   "takes, leanrl.set_threads' choice for its model's size)")
     a = p.parse_args()
     names, modes = a.algos.split(","), [m for m in MODES if m in a.modes.split(",")]
     for n in names:
@@ -132,13 +137,13 @@ def main():
     results = previous(out, machine, a.quick)
     kept = [n for n in [*results["algos"], *results["scaling"]] if n not in names]
     t0, load = time.perf_counter(), os.getloadavg()[0]
-    if load > os.cpu_count() - 0.5 and not a.threads and device.type == "cpu":
+    if load > os.cpu_count() - 0.5 and a.threads > 1 and device.type == "cpu":
         print(f"warning: load average {load:.1f} on {os.cpu_count()} cores: timings with several torch threads "
               "will be noisy; consider --threads 1", file=sys.stderr)
     def save():
         """Write everything measured so far: after every entry, so a run cut short keeps what it measured."""
         settings = dict(quick=a.quick, repeats=a.repeats, device=str(device),
-                        threads=a.threads or torch.get_num_threads(),
+                        threads=threads_setting(a.threads),
                         inductor_cache="empty at start (--cold-compile)" if a.cold_compile else "torch's default",
                         load_average=f"{load:.2f} at start, {os.getloadavg()[0]:.2f} at end")  # text: 0.00 is real
         full = dict(machine=machine, created=time.strftime("%Y-%m-%d %H:%M"), settings=settings, **results)

@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+import leanrl  # noqa: E402
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model  # noqa: E402
 from leanrl.llm.models import NAMED_MODELS  # noqa: E402
 
@@ -59,8 +60,8 @@ class Bench:
     modes: list[str] = field(default_factory=lambda: ["eager", "compile", "compile+cudagraphs", "compile-plain"])
     """which modes to time (compile+cudagraphs only on CUDA; compile-plain, compiled without the packed weights
     that a CPU sampler uses, only on a CPU)"""
-    threads: int | None = None
-    """torch CPU threads (default: torch's); on a machine shared with other jobs, 1 avoids OpenMP contention"""
+    threads: int = 0
+    """torch CPU threads (0: leanrl.set_threads' choice for each model's size)"""
     out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     """results folder; the machine's slug is appended"""
 
@@ -98,8 +99,6 @@ def time_steps(sampler: Sampler, steps: int) -> list[float]:
 
 
 def main(b: Bench):
-    if b.threads:
-        torch.set_num_threads(b.threads)
     device, dtype = torch.device(b.device), getattr(torch, b.dtype)
     tokenizer = char_tokenizer(ALPHABET)
     load_before = os.getloadavg()
@@ -112,8 +111,9 @@ def main(b: Bench):
                 save_tiny_model(d, tokenizer, max_position_embeddings=max(512, b.cache_len), **MODELS[name])
                 model, tok = load_model(d, device=device, dtype=dtype)
         model.requires_grad_(False)
+        threads = leanrl.set_threads(b.threads, model)
         c = model.config
-        info = dict(name=name, family=c.model_type, params=sum(p.numel() for p in model.parameters()),
+        info = dict(name=name, family=c.model_type, params=sum(p.numel() for p in model.parameters()), threads=threads,
                     layers=c.num_hidden_layers, hidden=c.hidden_size, kv_heads=c.num_key_value_heads,
                     head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                     vocab=c.vocab_size, dtype=b.dtype)

@@ -227,7 +227,7 @@ def measure(name, modes, device, quick, repeats, **overrides) -> dict:
     return {m: results[m] for m in modes}
 
 
-def measure_scaling(name, modes, device, quick, repeats) -> dict:
+def measure_scaling(name, modes, device, quick, repeats, threads) -> dict:
     """End-to-end env-steps/s and the policy's time per call at each number of parallel envs."""
     spec = SCALING[name]
     sizes = spec.sizes_quick if quick else spec.sizes_gpu if device.type == "cuda" else spec.sizes
@@ -235,7 +235,7 @@ def measure_scaling(name, modes, device, quick, repeats) -> dict:
     for num_envs in sizes:
         torch._dynamo.reset()  # each size compiles with static shapes, as a fresh run of that size would
         log(f"{name}: {num_envs} envs")
-        for mode, r in measure(spec.entry, modes, device, quick, repeats, num_envs=num_envs,
+        for mode, r in measure(spec.entry, modes, device, quick, repeats, num_envs=num_envs, threads=threads,
                                **spec.overrides).items():
             if r["status"] == "ok":
                 points[mode].append(dict(num_envs=num_envs, sps=r["sps"], policy_ms=r["calls"]["policy"]["median_ms"]))
@@ -253,15 +253,13 @@ def main():
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--result", required=True)
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leanrl.set_threads' choice)")
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)  # before anything compiles: inductor sizes its OpenMP loops from it
     device, modes = torch.device(a.device), a.modes.split(",")
     if a.name in SCALING:
-        results = measure_scaling(a.name, modes, device, a.quick, a.repeats)
+        results = measure_scaling(a.name, modes, device, a.quick, a.repeats, a.threads)
     else:
-        results = measure(a.name, modes, device, a.quick, a.repeats)
+        results = measure(a.name, modes, device, a.quick, a.repeats, threads=a.threads)
     with open(a.result, "w") as f:
         json.dump(results, f)
 

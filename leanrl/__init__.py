@@ -13,6 +13,7 @@ _MODULE_OF = {
     **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit", "import_user_module", "require_extra"], "cli"),
     **dict.fromkeys(["crossings", "evaluate"], "evaluation"),
     "TorchVectorEnv": "gym_adapter",
+    "set_threads": "threads",
     "Logger": "logger",
     **dict.fromkeys(["RunArgs", "check_flags", "make_run_dir", "path_safe", "resolve_device", "restore_envs",
                      "seed_everything"], "run"),

@@ -3,7 +3,6 @@
 import collections
 import functools
 import os
-import sys
 import threading
 
 import torch
@@ -11,11 +10,12 @@ from tensordict import TensorDictBase
 from tensordict.nn import CudaGraphModule
 from torch.optim.adam import adam  # the functional Adam: a scan's body traces it (torch.optim.adam.adam does not)
 
+from leanrl.cli import say_once
+from leanrl.precompiled import Precompiled
+
 # Calls before the steady state: CudaGraphModule's warm-up calls before capture (the first one compiles), and the
 # Logger's burn-in iterations before its SPS clock starts. Read everywhere from here.
 WARMUP = 2
-
-_said: set[str] = set()  # messages printed once per process
 
 
 def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = WARMUP,
@@ -36,8 +36,6 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
             _trust_vec_isa_probed_before()
         compile_kwargs = compile_kwargs or {}
         if torch.device(device).type == "cpu" and compile_kwargs.get("fullgraph"):
-            from leanrl.precompiled import Precompiled  # here: it imports this module
-
             fn = Precompiled(fn, compile_kwargs, name)
         else:
             fn = torch.compile(fn, **compile_kwargs)
@@ -49,7 +47,7 @@ def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="c
         fn = _GraphedAmongThreads(CudaGraphModule(fn, warmup=warmup, device=torch.device(device)), warmup)
     else:
         # CudaGraphModule would still clone every input on CPU: not wrapping is both faster and honest.
-        _say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
+        say_once("leanrl: --cudagraphs needs a CUDA device; running without CUDA graphs.")
     return ShapeGuard(fn, name)
 
 
@@ -300,7 +298,7 @@ def wrap_flags(args, device, eager_on_cpu: str | None = None) -> dict:
     LEANRL_COMPILE_ON_CPU=1 compiles it anyway (to measure it again, and in tests)."""
     compile, on_cpu = args.compile, torch.device(device).type == "cpu"
     if compile and eager_on_cpu and on_cpu and os.environ.get("LEANRL_COMPILE_ON_CPU") != "1":
-        _say_once(f"leanrl: on a CPU, --compile keeps eager {eager_on_cpu} "
+        say_once(f"leanrl: on a CPU, --compile keeps eager {eager_on_cpu} "
                   "(LEANRL_COMPILE_ON_CPU=1 compiles it anyway).")
         compile = False
     return dict(compile=compile, cudagraphs=args.cudagraphs, device=device)
@@ -319,12 +317,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     optimizer.load_state_dict(state)
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr.copy_(group["lr"])
-
-
-def _say_once(message: str):
-    if message not in _said:
-        print(message, file=sys.stderr)
-        _said.add(message)
 
 
 class ShapeChangeError(ValueError):

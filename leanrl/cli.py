@@ -14,6 +14,16 @@ import sys
 import threading
 
 
+_said: set[str] = set()  # what say_once has printed in this process
+
+
+def say_once(message: str):
+    """Print `message` on stderr, once per process: a notice about the run's settings, not about each call."""
+    if message not in _said:
+        print(message, file=sys.stderr)
+        _said.add(message)
+
+
 class UsageError(ValueError):
     """Input a run cannot work with, named as the user gave it (a flag, a file or directory a flag names): a script
     prints its message alone, with exit code 2 (`clean_exit`), before anything long has started."""

@@ -382,6 +382,8 @@ class Prediction:
     bound: str
     lag_hist: list = field(default_factory=list)
     token_lag_hist: list = field(default_factory=list)
+    restarts: float = 0.0
+    """sequences restarted per consumed sequence (finish order: the lag bound's cost; simulated only)"""
 
     def row(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if not k.endswith("hist")}
@@ -463,7 +465,12 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
     """Discrete-event simulation: per-replica continuous batching at t(active) per decode step, lengths drawn
     from the distribution, admission control, in-flight updates between decode steps (pipelined) or at batch
     boundaries (sync, one-step-off), a pause per weight update. Statistics over optimizer steps after `warmup`.
-    `trace`, when given, receives each started sequence's start version and consumption version (-1: never)."""
+    Lag is what leanrl's runs log: the trainer's version when it consumes a sequence (or token) minus the version
+    of the weights that started it (that sampled it), at most max_lag. In finish order a sequence that could only
+    be consumed later than that (its batch is complete after the bound has moved past it) is restarted from its
+    prompt, running or finished, as leanrl's sampler restarts it (a fresh draw of its length); Prediction.restarts
+    counts them per consumed sequence. `trace`, when given, receives each started sequence's start version (its
+    last start) and consumption version (-1: never)."""
     check_batch(s, b)
     rng = np.random.default_rng(seed)
     pipelined = s.mode == "pipelined"
@@ -488,7 +495,8 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
     order = 0
     # version: the trainer's; visible: the samplers' (pipelined: `handoff_s` behind; else the same)
     state = dict(started=0, version=0, visible=0, trainer_busy=False, finished_fifo=[])
-    window = dict(t_start=None, t_end=None, train_busy=0.0, busy0=None)
+    restarts = []  # sequences to start again, before any new one
+    window = dict(t_start=None, t_end=None, train_busy=0.0, busy0=None, restarts=0)
     seq_lags, tok_lags = np.zeros(width, dtype=np.int64), np.zeros(width, dtype=np.int64)
     consumed_tokens, consumed_seqs = 0, 0
 
@@ -509,22 +517,51 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
         if len(active[r]):
             push(t0[r] + int(rem[r].min()) * t_step[len(active[r])], "finish", r)
 
+    def finish_step(q, now):  # replica q finishes the decode step it is in at `now`
+        if len(active[q]):
+            dt = t_step[len(active[q])]
+            k = max(math.ceil((now - t0[q]) / dt - 1e-9), 0)
+            advance(q, k, dt)
+            t0[q] += k * dt
+            done = rem[q] <= 0
+            for i in active[q][done]:
+                finish[i] = t0[q]
+                state["finished_fifo"].append(int(i))
+            active[q], rem[q] = active[q][~done], rem[q][~done]
+
     def arrive(now):  # in-flight update: each replica finishes its current step, then pauses
         state["visible"] += 1
         for q in range(R):
-            if len(active[q]):
-                dt = t_step[len(active[q])]
-                k = max(math.ceil((now - t0[q]) / dt - 1e-9), 0)
-                advance(q, k, dt)
-                t0[q] += k * dt
-                done = rem[q] <= 0
-                for i in active[q][done]:
-                    finish[i] = t0[q]
-                    state["finished_fifo"].append(int(i))
-                active[q], rem[q] = active[q][~done], rem[q][~done]
+            finish_step(q, now)
             t0[q] = max(t0[q], now) + s.pause
             cur_ver[q] = state["visible"]
             schedule(q)
+
+    def restart_stale(now):  # finish order: what the trainer at `version` may never consume starts again
+        oldest = state["version"] - s.max_lag
+        stale = []
+        for r in range(R):
+            gone = start_ver[active[r]] < oldest
+            if gone.any():  # between two decode steps, as the sampler restarts them
+                finish_step(r, now)
+                gone = start_ver[active[r]] < oldest
+                stale += active[r][gone].tolist()
+                active[r], rem[r] = active[r][~gone], rem[r][~gone]
+                schedule(r)
+        fifo = state["finished_fifo"]
+        stale += [i for i in fifo if start_ver[i] < oldest]
+        if stale:
+            state["finished_fifo"] = [i for i in fifo if start_ver[i] >= oldest]
+            length[stale] = s.lengths.sample(rng, len(stale))
+            tok[stale], finish[stale] = 0, np.inf
+            restarts.extend(stale)
+            if state["version"] > warmup:
+                window["restarts"] += len(stale)
+
+    def next_start():  # the sequence to start next, if any may start now
+        if restarts:
+            return restarts[0]
+        return state["started"] if may_start(state["started"]) else None
 
     def may_start(i):
         if i >= total:
@@ -537,17 +574,16 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
         return state["visible"] >= g - off and prev_done
 
     def admit(now):
-        if not may_start(state["started"]):  # most events start nothing
+        if next_start() is None:  # most events start nothing
             return
         changed = set()
         count = [len(ids) for ids in active]
         started = [[] for _ in range(R)]  # joins `active` at the end: one concatenation per replica, not one per id
-        while may_start(state["started"]):
+        while (i := next_start()) is not None:
             free = [r for r in range(R) if count[r] < b]
             if not free:
                 break
             r = min(free, key=count.__getitem__)
-            i = state["started"]
             if not pipelined and i % s.batch == 0 and i > 0:  # new weights load at a batch boundary
                 for q in range(R):
                     t0[q] = max(t0[q], now) + s.pause
@@ -562,7 +598,10 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
             count[r] += 1
             t0[r] += t_pf
             busy_slots[r] += t_pf
-            state["started"] += 1
+            if restarts and restarts[0] == i:
+                restarts.pop(0)
+            else:
+                state["started"] += 1
             changed.add(r)
         for r in changed:
             if started[r]:
@@ -623,6 +662,8 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
         elif kind == "trained":  # the trainer finished step v: publish v + 1
             state["trainer_busy"] = False
             state["version"] += 1
+            if s.consume == "finish" and pipelined:
+                restart_stale(now)
             if pipelined:
                 push(now + s.handoff_s, "arrived")
             else:
@@ -645,8 +686,14 @@ def simulate(s: Setup, n_sample: int, b: int, steps: int = 200, warmup: int = 20
     lags = np.arange(width)
     return Prediction(s.mode, n_sample if s.mode != "sync" else s.total_gpus, n_train, b, float(X),
                       consumed_tokens / span, float((hist * lags).sum()), float(lags[seq_lags > 0].max()),
-                      float((thist * lags).sum()), float(1 - (busy_slots.sum() - window["busy0"]) / slot_time),
-                      float(1 - window["train_busy"] / span), "simulated", hist.tolist(), thist.tolist())
+                      float((thist * lags).sum()), _fraction(1 - (busy_slots.sum() - window["busy0"]) / slot_time),
+                      _fraction(1 - window["train_busy"] / span), "simulated", hist.tolist(), thist.tolist(),
+                      window["restarts"] / consumed_seqs)
+
+
+def _fraction(x: float) -> float:
+    """An idle fraction: rounding of sums of event times leaves some a few ulps outside [0, 1]."""
+    return float(min(max(x, 0.0), 1.0))
 
 
 # ------------------------------------------------------------------------------------------ the sweep

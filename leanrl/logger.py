@@ -180,7 +180,8 @@ class Logger:
         sps = self.last.get("charts/SPS")
         rate = "SPS" if unit == "step" else f"{unit}s/s"
         speed = f", {sps:,.0f} {rate} after {self.warmup_time:.1f} s warm-up" if sps and self.warmup_time else ""
-        lines = [f"run:        {self.run_dir}", f"{unit + 's:':<12}{ended} of {self.total_steps:,} in {wall:.1f} s{speed}"]
+        lines = [f"run:        {self.run_dir}",
+                 f"{unit + 's:':<12}{ended} of {self.total_steps:,} in {wall:.1f} s{speed}"]
         if self.best_return is None:
             lines.append(f"return:     none logged ({self.return_metric})")
         else:

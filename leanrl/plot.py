@@ -160,8 +160,8 @@ def group_keys(runs: list[Series], group_by: list[str] | None) -> list[str]:
     for key in group_by:
         if key not in known:
             guess = difflib.get_close_matches(key, known, 1)
-            raise UsageError(f"--group-by {key}: no run has that flag{f' (did you mean {guess[0]!r}?)' if guess else ''}"
-                             f"; their flags: {', '.join(sorted(known))}")
+            hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+            raise UsageError(f"--group-by {key}: no run has that flag{hint}; their flags: {', '.join(sorted(known))}")
     return list(group_by)
 
 

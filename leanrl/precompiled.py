@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.aot_compile import AOTCompiledFunction
 from torch._dynamo.utils import counters
 
-from leanrl.acceleration import _say_once
+from leanrl.cli import say_once
 
 _ROOT_NAME = re.compile(r"[A-Za-z_]\w*")
 _PRIMITIVE = (bool, int, float, str, type(None))
@@ -189,7 +189,7 @@ class Precompiled:
             try:
                 self._trace_and_save(args, prefix, objects)
             except Exception as e:  # noqa: BLE001 (an error of the function itself is raised again by the fallback)
-                _say_once(f"leanrl: {self.name}: compiled without saving its trace ({type(e).__name__}: {e})")
+                say_once(f"leanrl: {self.name}: compiled without saving its trace ({type(e).__name__}: {e})")
                 self.compiled = None
                 return
         self.compiled.disable_guard_check()  # checked in __call__, which falls back rather than raising
@@ -217,7 +217,7 @@ class Precompiled:
                    for s in self.compiled.source_info().inlined_sources if s.module.split(".")[0] != "torch"}
         saved = dict(sources=sources, guards=sorted(guards, key=repr))
         if not (_sources_match(sources) and self._guards_hold(saved, args)):  # could never be loaded: not saved
-            _say_once(f"leanrl: {self.name}: its compiled trace cannot be checked when loaded; not saved")
+            say_once(f"leanrl: {self.name}: its compiled trace cannot be checked when loaded; not saved")
             return
         saved["trace"] = AOTCompiledFunction.serialize(self.compiled, objects).serialized_data
         path = f"{prefix}-{_hash(repr((sources, saved['guards'])))}.bin"

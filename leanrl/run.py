@@ -30,6 +30,8 @@ class RunArgs:
     """torch.compile the policy and update functions"""
     cudagraphs: bool = False
     """capture the policy and update functions in CUDA graphs (needs fixed shapes; CUDA only)"""
+    threads: int = 0
+    """torch's CPU threads (0: one for a small model, every core for a large one; the run says which)"""
     track: bool = False
     """log to Weights and Biases"""
     wandb_project_name: str = "leanrl"
@@ -58,7 +60,7 @@ def check_flags(args, positive=(), non_negative=(), unit_interval=()) -> None:
     """Bad numbers are errors naming their flag, raised before anything is built: `positive` fields must be > 0,
     `non_negative` >= 0, `unit_interval` in [0, 1] (NaN fails every rule). RunArgs' own counts are always checked."""
     rules = [(("total_timesteps", "log_every", *positive), lambda v: v > 0, "> 0"),
-             (("checkpoint_every", *non_negative), lambda v: v >= 0, ">= 0"),
+             (("checkpoint_every", "threads", *non_negative), lambda v: v >= 0, ">= 0"),
              (unit_interval, lambda v: 0 <= v <= 1, "in [0, 1]")]
     for names, ok, rule in rules:
         for name in names:

@@ -159,11 +159,12 @@ def build_config(a: Args) -> dict:
 
 def table(preds: list, sims: dict) -> str:
     lines = ["| # | sampler GPUs | trainer GPUs | slots/replica | seq/s | tokens/s | lag mean (seq/token) | lag max "
-             "| sampler idle | trainer idle | bound | simulated seq/s | simulated lag (seq/token) |",
-             "|---" * 13 + "|"]
+             "| sampler idle | trainer idle | bound | simulated seq/s | simulated lag (seq/token) | simulated tokens/s "
+             "| restarted per consumed |", "|---" * 15 + "|"]
     for i, p in enumerate(preds):
         s = sims.get(i)
-        sim = (f"{s.seqs_per_s:.3g} | {s.lag_mean:.2f} / {s.token_lag_mean:.2f}" if s else "— | —")
+        sim = (f"{s.seqs_per_s:.3g} | {s.lag_mean:.2f} / {s.token_lag_mean:.2f} | {s.tokens_per_s:.4g} | "
+               f"{s.restarts:.3f}" if s else "— | — | — | —")
         lines.append(f"| {i + 1} | {p.n_sample} | {p.n_train} | {p.slots} | {p.seqs_per_s:.3g} | "
                      f"{p.tokens_per_s:.4g} | {p.lag_mean:.2f} / {p.token_lag_mean:.2f} | {p.lag_max:.0f} | "
                      f"{p.sampler_idle:.2f} | {p.trainer_idle:.2f} | {p.bound} | {sim} |")

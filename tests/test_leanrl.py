@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 import leanrl
-from leanrl import acceleration
+from leanrl import acceleration, cli
 
 
 def affine(x, w):
@@ -30,7 +30,7 @@ def test_accelerate_matches_eager(compile):
 
 
 def test_cudagraphs_without_cuda_says_so_once_and_runs(capfd, monkeypatch):
-    monkeypatch.setattr(acceleration, "_said", set())
+    monkeypatch.setattr(cli, "_said", set())
     x, w = torch.randn(8, 4), torch.randn(4, 3)
     f1 = leanrl.accelerate(affine, cudagraphs=True, device="cpu")
     f2 = leanrl.accelerate(affine, cudagraphs=True, device="cpu")
@@ -42,7 +42,7 @@ def test_cudagraphs_without_cuda_says_so_once_and_runs(capfd, monkeypatch):
 
 
 def test_compile_keeps_what_does_not_pay_on_cpu_eager_and_says_so_once(capfd, monkeypatch):
-    monkeypatch.setattr(acceleration, "_said", set())
+    monkeypatch.setattr(cli, "_said", set())
     monkeypatch.delenv("LEANRL_COMPILE_ON_CPU", raising=False)
     args = leanrl.RunArgs(compile=True)
     for _ in range(2):

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from torch.distributions import Categorical, Normal
 
 import leanrl
-from leanrl import acceleration
+from leanrl import acceleration, cli
 from leanrl.algorithms import ppo
 from leanrl.envs import make_env
 
@@ -281,7 +281,7 @@ def test_compiled_rollout_scan_matches_eager(env_id, tmp_path, capfd, monkeypatc
     """--compile with an on-device env on a CPU: the whole rollout one compiled scan, every epoch's updates
     another, GAE kept eager (and said so). The same parameters as eager step by step from the same seed, with
     discrete and continuous actions: both draw the rollout's random numbers up front (no fallback_random needed)."""
-    monkeypatch.setattr(acceleration, "_said", set())  # said once per process: maybe before this test
+    monkeypatch.setattr(cli, "_said", set())  # said once per process: maybe before this test
     scanned = []
     for name in ("make_scanned_rollout", "make_scanned_update"):
         monkeypatch.setattr(ppo, name, lambda *a, make=getattr(ppo, name), name=name: scanned.append(name) or make(*a))
