@@ -138,7 +138,7 @@ def spinner():
 
 def markdown(result: dict) -> str:
     cores = result["cores"]
-    lines = [f"# Torch CPU threads against model size ({result['machine']['label']})", "",
+    lines = [f"# Torch CPU threads against model size ({result['machine']['slug']}: {result['machine']['cpu']})", "",
              f"One eager training step (forward, backward, Adam) per workload, median ms; 1 thread against {cores} "
              f"(every core this process may use), in alternating blocks. *Shared*: another process spinning on one "
              f"core meanwhile. Command: `python benchmarks/threads.py`. torch {torch.__version__}, "
@@ -151,8 +151,9 @@ def markdown(result: dict) -> str:
             one, many = w[condition]["1"], w[condition][str(cores)]
             cells += [f"{one * 1e3:.2f}", f"{many * 1e3:.2f}", f"{one / many:.2f}x"]
         lines.append(f"| {name} | {w['parameters']:,} | " + " | ".join(cells) + " |")
-    lines += ["", f"`{cores}/1` is the speed-up of {cores} threads over one (below 1: slower). "
-              f"`leanrl.threads` uses more than one thread from {MANY_THREADS_FROM:,} parameters."]
+    lines += ["", f"`{cores}/1` is the speed-up of {cores} threads over one (below 1: slower). By default "
+              f"`leanrl.set_threads` computes on one thread below {MANY_THREADS_FROM:,} parameters, and above on one "
+              "per core the load average leaves free."]
     return "\n".join(lines) + "\n"
 
 
