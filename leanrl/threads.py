@@ -45,7 +45,8 @@ def set_threads(requested: int, *models, processes: int = 1, quiet: bool = False
         threads, why = 1, f"a model of {params:,} parameters; --threads N to choose"
     else:
         threads = free_cores(processes)
-        why = f"a model of {params:,} parameters, the cores other jobs leave free; --threads N to choose"
+        why = (f"a model of {params:,} parameters, {threads} of {len(os.sched_getaffinity(0))} cores free for it; "
+               "--threads N to choose")
     torch.set_num_threads(threads)
     if not quiet:
         say_once(f"leanrl: torch computes on {threads} CPU thread{'s' * (threads > 1)} ({why})")
