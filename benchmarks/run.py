@@ -9,6 +9,10 @@ the fraction of the wall time the GPU is busy. It writes to benchmarks/results/<
 the summary is printed at the end. Entries measured by an earlier run into the same folder are kept, so
 a long suite can be split across calls with --algos. `python benchmarks/readme_tables.py` puts the
 summaries into README.md.
+
+`--quick` is a first look in about a minute: one entry per family (PPO on the on-device CartPole, DQN, TD3) at tiny
+sizes with short timings, written to a temporary folder unless --out names one (its figures are not the tables').
+Ctrl-C stops the run; what was measured until then stays in the folder.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import collections
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,7 @@ from report import summary_markdown, write_all  # noqa: E402
 
 NO_CUDA = dict(status="n/a", label="no CUDA", reason="no CUDA device: --cudagraphs falls back to eager plus a "
                "shape guard here, so this machine has no CUDA-graph figure")
+QUICK_ENTRIES = ("ppo_cartpole", "dqn_cartpole", "td3_continuous")  # one per family, the cheapest to compile
 
 
 def spawn(name: str, modes: list, device, a, cache_dir: str | None) -> dict:
@@ -46,9 +52,14 @@ def spawn(name: str, modes: list, device, a, cache_dir: str | None) -> dict:
         env = {**os.environ, **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {})}
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         tail = collections.deque(maxlen=5)
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            tail.append(line.strip())
+        try:
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                tail.append(line.strip())
+        except KeyboardInterrupt:  # the worker got the terminal's Ctrl-C too: let it end, then stop here
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
+            raise
         if proc.wait() == 0 and os.path.isfile(result):
             with open(result) as f:
                 return json.load(f)
@@ -112,19 +123,22 @@ def previous(out: str, machine: dict, quick: bool) -> dict:
 def main():
     available = [*ENTRIES, *SCALING]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algos", default=",".join(available),
-                   help=f"comma-separated entries (default: all of {','.join(available)})")
+    p.add_argument("--algos", help=f"comma-separated entries (default: all of {','.join(available)}; with --quick: "
+                   f"{','.join(QUICK_ENTRIES)})")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--repeats", type=int, default=50, help="most timed samples per function (fewer for slow ones)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a CI smoke run")
-    p.add_argument("--out", help="results folder (default: benchmarks/results/<machine>[-quick])")
+    p.add_argument("--quick", action="store_true", help="a first look in about a minute: one entry per family, tiny "
+                   "sizes, short timings, into a temporary folder")
+    p.add_argument("--out", help="results folder (default: benchmarks/results/<machine>; with --quick a temporary "
+                   "one)")
     p.add_argument("--cold-compile", action="store_true",
                    help="start from an empty inductor cache, so compile times are those of a new machine")
     p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: what a run of the entry's script "
                    "takes, leanrl.set_threads' choice for its model's size)")
     a = p.parse_args()
-    names, modes = a.algos.split(","), [m for m in MODES if m in a.modes.split(",")]
+    algos = a.algos or ",".join(QUICK_ENTRIES if a.quick else available)
+    names, modes = algos.split(","), [m for m in MODES if m in a.modes.split(",")]
     for n in names:
         if n not in ENTRIES and n not in SCALING:
             p.error(f"unknown entry {n!r}; known: {', '.join([*ENTRIES, *SCALING])}")
@@ -132,7 +146,8 @@ def main():
         p.error(f"--modes {a.modes!r}: choose from {', '.join(MODES)}")
     device = resolve_device(a.device)
     machine = machine_info(device)
-    out = a.out or os.path.join(HERE, "results", machine["slug"] + ("-quick" if a.quick else ""))
+    out = a.out or (tempfile.mkdtemp(prefix="leanrl-benchmark-quick-") if a.quick else
+                    os.path.join(HERE, "results", machine["slug"]))
     os.makedirs(out, exist_ok=True)
     results = previous(out, machine, a.quick)
     kept = [n for n in [*results["algos"], *results["scaling"]] if n not in names]
@@ -155,12 +170,18 @@ def main():
 
     # --cold-compile: an empty inductor cache for the run, so every first compile is cold, as on a new
     # machine. Otherwise torch's own cache, and each compile time says whether it came from it.
+    final = None
     with tempfile.TemporaryDirectory(prefix="leanrl-inductor-") as fresh:
-        for name in names:
-            group = "scaling" if name in SCALING else "algos"
-            results[group][name] = measure_entry(name, modes, device, a, fresh if a.cold_compile else None,
-                                                 machine["commit"])
-            final = save()
+        try:
+            for name in names:
+                group = "scaling" if name in SCALING else "algos"
+                results[group][name] = measure_entry(name, modes, device, a, fresh if a.cold_compile else None,
+                                                     machine["commit"])
+                final = save()
+        except KeyboardInterrupt:
+            done = ", ".join(n for n in names if n in results["algos"] or n in results["scaling"]) or "none"
+            print(f"interrupted; the entries measured ({done}) are in {out}", file=sys.stderr)
+            sys.exit(130)
 
     print(summary_markdown(final))
     if kept:

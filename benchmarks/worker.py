@@ -12,6 +12,7 @@ loop its script runs), in a thread of its own, for a few timed blocks after burn
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -255,6 +256,9 @@ def main():
     p.add_argument("--result", required=True)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leanrl.set_threads' choice)")
     a = p.parse_args()
+    # Ctrl-C reaches the worker with its parent: nothing here is kept but the result file, so end at once (the
+    # training threads would otherwise run on until their timed blocks end)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
     device, modes = torch.device(a.device), a.modes.split(",")
     if a.name in SCALING:
         results = measure_scaling(a.name, modes, device, a.quick, a.repeats, a.threads)
