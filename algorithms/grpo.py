@@ -642,6 +642,7 @@ def train(args: Args) -> dict:
     iteration = 0
     if args.resume:
         state = leanrl.load_checkpoint(args.resume, args, may_change=("total_timesteps",))  # a constant lr
+        leanrl.restore_rng(state)
         restore(learner, state)
         iteration, prompts.next_index = state["iteration"], state["next_prompt"] + rank
 

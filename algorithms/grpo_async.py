@@ -129,6 +129,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
     iteration = 0
     if args.resume:  # the learner resumes exactly; collectors draw fresh prompts
         state = leanrl.load_checkpoint(args.resume, args, may_change=("total_timesteps",))  # a constant lr
+        leanrl.restore_rng(state)
         grpo.restore(learner, state)
         iteration = state["iteration"]
 

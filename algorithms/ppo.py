@@ -520,14 +520,18 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     evaluating = args.eval_every > 0 or args.capture_video
     if evaluating and make_eval_envs is None:
         raise leanrl.UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
+    # Without annealing no schedule depends on the horizon: a resumed run may go on longer.
+    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, () if args.anneal_lr else ("total_timesteps",))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
 
-    agent = make_agent(envs.single_observation_space, envs.single_action_space, device)
-    leanrl.set_threads(args.threads, agent)  # before anything compiles: inductor sizes its loops by the threads
-    # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
+    # The acting copy shares the learner's storage without its autograd history (a grad-free alias). Made first, on
+    # the meta device, it sizes torch's threads before anything is initialised (orthogonal init's QR depends on
+    # them) or compiled (inductor sizes its loops by them).
     agent_inference = make_agent(envs.single_observation_space, envs.single_action_space, "meta")
+    leanrl.set_threads(args.threads, agent_inference)
+    agent = make_agent(envs.single_observation_space, envs.single_action_space, device)
     from_module(agent).data.to_module(agent_inference)
     wrap = leanrl.wrap_flags(args, device)
     optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)  # eps as CleanRL
@@ -543,9 +547,9 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     storage = make_storage(envs, args, device)
 
     iteration = 0
-    if args.resume:  # before any capture: parameters are copied in place, the tensor learning rate is kept
-        # Without annealing no schedule depends on the horizon: a resumed run may go on longer.
-        state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
+    if resumed:  # before any capture: parameters are copied in place, the tensor learning rate is kept
+        state = resumed
+        leanrl.restore_rng(state)
         agent.load_state_dict(state["agent"])
         leanrl.load_optimizer_state(optimizer, state["optimizer"])
         iteration = state["iteration"]

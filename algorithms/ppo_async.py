@@ -135,8 +135,9 @@ def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None
     envs = make_envs(seed=seed, device=device)
     if statistics is not None:
         envs.load_statistics(statistics)
+    leanrl.set_threads(args.threads, ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta"),
+                       processes=processes(args), quiet=True)  # before the init, as in ppo.train
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
-    leanrl.set_threads(args.threads, agent, processes=processes(args), quiet=True)
     act, get_value = ppo.make_acting(agent, envs, args, leanrl.wrap_flags(args, device))
     storage = ppo.make_storage(envs, args, device)
     next_obs, versions = envs.reset(seed=seed), []
@@ -185,15 +186,16 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     state = {}
     if args.resume:  # before the collectors start, from its envs' statistics (None in a checkpoint made before)
         state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
+        leanrl.restore_rng(state)
     resumed_statistics = state.get("statistics")
     if args.transport == "distributed":
         broadcast_from_rank_zero(resumed_statistics)
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = f"{run_dir}/checkpoint.pt"
 
-    agent = ppo.make_agent(spec.single_observation_space, spec.single_action_space, device)
-    leanrl.set_threads(args.threads, agent, processes=processes(args))
     agent_inference = ppo.make_agent(spec.single_observation_space, spec.single_action_space, "meta")
+    leanrl.set_threads(args.threads, agent_inference, processes=processes(args))  # before the init, as in ppo.train
+    agent = ppo.make_agent(spec.single_observation_space, spec.single_action_space, device)
     from_module(agent).data.to_module(agent_inference)
     wrap = leanrl.wrap_flags(args, device)
     optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)

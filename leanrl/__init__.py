@@ -9,7 +9,8 @@ import importlib
 _MODULE_OF = {
     **dict.fromkeys(["WARMUP", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "accelerate", "compiling_on_cpu",
                      "gradient_step", "load_optimizer_state", "make_adam", "sync_cuda", "wrap_flags"], "acceleration"),
-    **dict.fromkeys(["CheckpointError", "load_checkpoint", "save_checkpoint", "save_on_interrupt"], "checkpoint"),
+    **dict.fromkeys(["CheckpointError", "load_checkpoint", "restore_rng", "save_checkpoint", "save_on_interrupt"],
+                    "checkpoint"),
     **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit", "import_user_module", "require_extra"], "cli"),
     **dict.fromkeys(["crossings", "evaluate"], "evaluation"),
     "TorchVectorEnv": "gym_adapter",

@@ -28,6 +28,12 @@ def rng_state() -> dict:
     return state
 
 
+def restore_rng(checkpoint: dict) -> None:
+    """Continue the random streams a checkpoint saved (`load_checkpoint` reads them): called where the run that
+    saved it drew its next number, so a resumed run draws what an uninterrupted one would."""
+    set_rng_state(checkpoint["rng"])
+
+
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
@@ -90,9 +96,10 @@ def check_resumable(path: str, state: dict, args, may_change=()) -> None:
 
 
 def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> dict:
-    """Load a checkpoint and restore the RNG states it holds. With `args`, first check that this run may resume
-    it (`check_resumable`: `may_change` names the flags this algorithm lets a resume change, e.g. total_timesteps
-    where no schedule depends on it). Every failure is a one-line error naming the file."""
+    """Load a checkpoint: its state, with the RNG states under "rng" (`restore_rng` continues them). With `args`,
+    first check that this run may resume it (`check_resumable`: `may_change` names the flags this algorithm lets a
+    resume change, e.g. total_timesteps where no schedule depends on it). Every failure is a one-line error naming
+    the file: load it before building anything, so that the line is the run's only output."""
     if not os.path.isfile(path):
         raise CheckpointError(f"--resume {path}: no checkpoint at that path")
     try:
@@ -104,7 +111,6 @@ def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> 
         raise CheckpointError(f"--resume {path}: not a leanrl checkpoint (no RNG state in it)")
     if args is not None:
         check_resumable(path, state, args, may_change)
-    set_rng_state(state.pop("rng"))
     return state
 
 

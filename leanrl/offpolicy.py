@@ -155,7 +155,9 @@ def start(learner, rb: ReplayBuffer, args, envs, may_change=("learning_starts",)
     run = Run(learner, rb)
     ckpt_path = os.path.join(leanrl.make_run_dir(args, args.env_id), "checkpoint.pt")
     if args.resume:
-        run.load_state_dict(leanrl.load_checkpoint(args.resume, args, may_change), envs, args.seed)
+        state = leanrl.load_checkpoint(args.resume, args, may_change)
+        leanrl.restore_rng(state)
+        run.load_state_dict(state, envs, args.seed)
     else:
         run.obs = envs.reset(seed=args.seed)
     return run, ckpt_path

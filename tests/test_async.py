@@ -147,6 +147,7 @@ def test_bad_settings_are_clear_errors(kw, message):
         pipeline.check_settings(**settings_)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank_zero_only", [False, True])
 def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_zero_only, tmp_path):
     """A collector rank on another node (no shared file system) gets rank 0's model directory over the group."""
@@ -164,6 +165,7 @@ def test_a_rank_that_does_not_see_rank_zeros_directory_receives_its_files(rank_z
         assert (g["local"] != str(model)) == rank_zero_only
 
 
+@pytest.mark.slow
 def test_distributed_without_torchrun_says_the_torchrun_command(tmp_path):
     script = os.path.join(ROOT, "scripts", "ppo_cartpole.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -174,6 +176,7 @@ def test_distributed_without_torchrun_says_the_torchrun_command(tmp_path):
         f"torchrun --nproc-per-node 3 {script} --async --transport distributed --run-dir runs\n"), proc.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
            "--master-port", str(get_free_port()),
@@ -188,6 +191,7 @@ def test_torchrun_gloo_one_trainer_two_collectors(tmp_path):
     assert (metrics.parent / "checkpoint.pt").is_file()
 
 
+@pytest.mark.slow
 def test_async_ppo_solves_on_device_cartpole_with_max_lag_2(tmp_path):
     # test_ppo_solves_on_device_cartpole's settings, two collector processes, every batch exactly 2 versions
     # old (deterministic mode: the worst lag allowed, and a result that does not depend on this machine's load).
@@ -318,7 +322,7 @@ def descendants(pid):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the collector processes")
-@pytest.mark.parametrize("transport", ["processes", "distributed"])
+@pytest.mark.parametrize("transport", ["processes", pytest.param("distributed", marks=pytest.mark.slow)])
 def test_sigterm_stops_every_role_with_a_final_checkpoint(transport, tmp_path):
     # Under torchrun the signal goes to torchrun, which passes it to every rank.
     launcher = [sys.executable] if transport == "processes" else [

@@ -12,6 +12,8 @@ import torch
 
 from leanrl import precompiled
 
+pytestmark = pytest.mark.slow  # the benchmarks, run as a user runs them: minutes each
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("eager", "compile", "cudagraphs", "compile+cudagraphs")
 

@@ -261,6 +261,7 @@ def _video_frames(path):
     return len(frames), (width, height), colour
 
 
+@pytest.mark.slow
 def test_atari_video_records_sub_env_0_and_matches_ale_vector_env(tmp_path):
     # sticky actions and a frame limit: the gymnasium-ALE path must reproduce the C++ repeats and truncation too
     kwargs = dict(num_envs=2, seed=1, sticky_actions=True, max_num_frames_per_episode=616)  # 154 steps
@@ -318,6 +319,7 @@ def test_a_video_keeps_only_the_episodes_that_end(tmp_path):
     assert all(_video_frames(p)[0] > 5 for p in videos)
 
 
+@pytest.mark.slow
 def test_mujoco_video_records_every_episode_and_changes_no_number(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MUJOCO_GL", raising=False)  # the default this machine gets

@@ -173,6 +173,7 @@ def test_a_zero_variance_group_contributes_no_gradient(loss, mask_zero_variance)
     torch.testing.assert_close(_update(batch, all_dead, **kw), before, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_compiled_update_equals_eager_after_k_steps(device):
     """Also with --cudagraphs (on a CPU: the shape guards alone; on CUDA: graphs, compiled and not). Micro-batches
     come in two row counts here, compiled once, a shape guard or a graph each: the batch's 8 rows run as 3 + 3 + 2,
@@ -265,6 +266,7 @@ def test_packed_rows_train_as_one_sequence_per_row():
     assert m1["perf/update_padding_frac"] < 0.5 < m0["perf/update_padding_frac"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation, tmp_path):
     """Two gloo ranks, each updating on half of every batch (whole groups) with gradients summed over the ranks:
@@ -347,6 +349,7 @@ class Unspelled:  # no alphabet: the tiny model's character tokenizer cannot be 
 """
 
 
+@pytest.mark.slow
 def test_a_task_of_your_own_runs_by_its_import_path_sync_and_in_collector_processes(tmp_path, monkeypatch):
     """`--task module:Class` with the module in the directory the run is launched from: the tiny model is built for
     its alphabet, and async collectors in processes of their own import it too."""
@@ -558,6 +561,7 @@ def test_async_never_exceeds_max_lag_on_any_token_under_random_delays(max_lag, r
         assert max(r["lag/token_max"] for r in rows) >= 1
 
 
+@pytest.mark.slow
 def test_deterministic_async_is_bitwise_reproducible_under_different_delays(run_dir):
     import functools
     from leanrl.algorithms import grpo_async
@@ -592,6 +596,7 @@ def _solve_rate(args, state=None, num_prompts=64):
                                     args.group_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir, one_thread):
     """Async runs --deterministic: every batch sampled two versions behind (the most max_lag 2 allows), and the same
@@ -634,6 +639,7 @@ def test_the_script_runs_as_a_user_runs_it(flags, run_dir):
     assert evaluated == ([32, 64] if "--async" in flags else [])  # async evaluates on the trainer, as sync does
 
 
+@pytest.mark.slow
 def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     """`torchrun --nproc-per-node 2 scripts/grpo_arith.py`, as a user runs it: two gloo ranks sample disjoint
     shares of every batch's prompts and train one model; rank 0 logs the world's metrics and checkpoints, rank 1
@@ -666,6 +672,7 @@ def test_data_parallel_run_under_torchrun_checkpoints_and_resumes(tmp_path):
     assert torch.load(f"{path}/checkpoint.pt", weights_only=False)["next_prompt"] == 24
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["processes", "distributed"])
 def test_async_grpo_under_torchrun(transport, tmp_path):
     """`torchrun --nproc-per-node 2 scripts/grpo_arith.py --async`, as a user runs it. `--transport processes`: two

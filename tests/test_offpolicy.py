@@ -318,7 +318,7 @@ def _assert_same_params(a, b, names):
             torch.testing.assert_close(y[k], x[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
 
 
-@pytest.mark.parametrize("module", [td3, sac])
+@pytest.mark.parametrize("module", [td3, pytest.param(sac, marks=pytest.mark.slow)])
 def test_compiled_updates_match_eager_after_k_steps(module, fallback_random, device):
     eager, compiled = _twins(module, dict(batch_size=16), {}, device=device)
     torch.manual_seed(1)
@@ -460,7 +460,7 @@ def _interrupted_then_resumed(module, tmp_path, after, **kw):
 
 
 @pytest.mark.parametrize("compile", [False, True])  # compiled on a CPU: one graph per gradient step
-@pytest.mark.parametrize("module", [td3, sac])
+@pytest.mark.parametrize("module", [td3, pytest.param(sac, marks=pytest.mark.slow)])
 def test_resume_with_the_buffer_equals_an_uninterrupted_run(module, compile, tmp_path):
     full = run_pendulum(module, tmp_path / "full", save_buffer=True, compile=compile)
     resumed = _interrupted_then_resumed(module, tmp_path / "part", after=100, save_buffer=True, compile=compile)
@@ -522,14 +522,17 @@ PENDULUM_LEARNING = dict(num_envs=1, total_timesteps=20_000, learning_starts=100
                          log_every=1000)
 
 
+@pytest.mark.slow
 def test_td3_learns_pendulum_within_20k_steps(tmp_path):
     assert reaches(td3, tmp_path, "torch/Pendulum-v1", -250, **PENDULUM_LEARNING)
 
 
+@pytest.mark.slow
 def test_sac_learns_pendulum_within_20k_steps(tmp_path):
     assert reaches(sac, tmp_path, "torch/Pendulum-v1", -250, **PENDULUM_LEARNING)
 
 
+@pytest.mark.slow
 def test_dqn_learns_cartpole(tmp_path):
     # rl-baselines3-zoo's tuned CartPole DQN (lr 2.3e-3, batch 64, a hard target update every 256 steps, one update
     # per 2 steps, exploration over 16% of the run down to 0.04) on 4 envs; CleanRL's defaults need ~10x the steps.

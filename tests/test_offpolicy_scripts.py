@@ -27,7 +27,7 @@ SCRIPTS = {  # flags, the losses the log must hold
     "dqn_atari.py": (["--learning-starts", "64", "--buffer-size", "256", "--batch-size", "8",
                       "--target-network-frequency", "32"], ("losses/td_loss", "losses/q_values")),
 }
-EXTRAS = ("dqn_cartpole.py", "eager")
+EXTRAS = ("dqn_cartpole.py", "compile+cudagraphs")
 
 
 def run_script(script, flags, cwd, steps=STEPS):
@@ -41,8 +41,11 @@ def rows_of(run_dir):
     return metrics, [json.loads(line) for line in open(metrics)]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("script", SCRIPTS)
+FAST = {("td3_continuous.py", "eager"), ("sac_continuous.py", "eager"), ("dqn_cartpole.py", "compile+cudagraphs")}
+
+
+@pytest.mark.parametrize("script, mode", [(s, m) if (s, m) in FAST else pytest.param(s, m, marks=pytest.mark.slow)
+                                          for s in SCRIPTS for m in MODES])
 def test_script_runs_in_every_mode_and_resumes(script, mode, tmp_path):
     flags, losses = SCRIPTS[script]
     # One eager run also saves its buffer and evaluates (an evaluation env of its own, charts/eval_return).

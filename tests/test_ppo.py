@@ -116,7 +116,7 @@ def _update_fns(accelerated, continuous, device):
     return agent, leanrl.accelerate(ppo.make_update(agent, optimizer, args), **wrap)
 
 
-@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("continuous", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compiled_update_matches_eager_after_k_steps(continuous, device):
     torch.manual_seed(1)
     B = 64
@@ -133,6 +133,7 @@ def test_compiled_update_matches_eager_after_k_steps(continuous, device):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("continuous", [False, True])
 def test_scanned_update_epochs_match_eager(continuous):
     """Every epoch's updates as one compiled scan (CPU, --compile) against eager update calls, over two batches with
@@ -205,7 +206,7 @@ def run_cartpole(tmp_path, on_iteration=None, **kw):
     return ppo.train(args, envs, torch.device("cpu"), on_iteration=on_iteration)
 
 
-@pytest.mark.parametrize("compile", [False, True])  # compiled on a CPU: the scanned rollout and update
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiled on a CPU: the scanned rollout and update
 def test_checkpoint_then_resume_equals_an_uninterrupted_run(compile, tmp_path):
     full = run_cartpole(tmp_path / "full", total_timesteps=4096, compile=compile)
 
@@ -235,6 +236,7 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
 def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path, monkeypatch):
     """--graph-iteration (rollout on the on-device env, GAE and every epoch in one graph, phases compiled)
@@ -252,6 +254,7 @@ def test_whole_iteration_graph_matches_step_by_step_eager(env_id, tmp_path, monk
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda message: f"{name}: {message}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["torch/CartPole-v1", "torch/Pendulum-v1"])
 def test_scanned_rollout_stores_what_the_eager_rollout_stores(env_id):
     """The compiled scan against eager step by step, from the same seed, over 210 steps: terminations and

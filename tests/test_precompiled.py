@@ -40,6 +40,7 @@ def precompile(fn):
     return leanrl.accelerate(fn, compile=True, compile_kwargs=dict(fullgraph=True), name="policy")
 
 
+@pytest.mark.slow
 def test_a_loaded_trace_reads_this_runs_objects_and_a_changed_value_is_traced_again():
     obs = torch.randn(5, 4)
     first = make_policy(seed=0, coef=1.0)
@@ -114,6 +115,7 @@ print(json.dumps(dict(loads=len(loads), losses=losses, params=[p.tolist() for p 
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_one_graph_gradient_step_and_matches_eager(tmp_path):
     """`gradient_step(one_graph=True)`, the off-policy algorithms' CPU step, whose closure holds an optimizer and its
     parameters, in a second run (a new process, other initial weights): loaded, it steps that run's parameters and

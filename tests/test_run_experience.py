@@ -107,7 +107,7 @@ def test_resume_refuses_a_breaking_flag_and_accepts_a_harmless_one(finished_cart
     assert "1,024 steps of 1,024" in proc.stdout
 
 
-@pytest.mark.parametrize("damage", ["truncated", "text"])
+@pytest.mark.parametrize("damage", [pytest.param("truncated", marks=pytest.mark.slow), "text"])
 def test_a_torn_or_garbage_checkpoint_is_one_line(finished_cartpole, tmp_path, damage):
     path = copy_checkpoint(finished_cartpole, tmp_path)
     data = path.read_bytes()
@@ -118,6 +118,7 @@ def test_a_torn_or_garbage_checkpoint_is_one_line(finished_cartpole, tmp_path, d
     assert line == f"error: --resume {path}: not a readable checkpoint (cut short, or not a file leanrl wrote)"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_script_or_algorithm_is_one_line(finished_cartpole, tmp_path):
     _, _, checkpoint = finished_cartpole
     proc = run_script("ppo_atari.py", ["--num-envs", "2", "--num-steps", "32", "--total-timesteps", "64",
@@ -237,10 +238,10 @@ PLAN = ["--total-gpus", "8", "--gpu", "H100", "--params", "7e9", "--layers", "32
 
 @pytest.mark.parametrize("script, flags, module, extra", [
     ("ppo_atari.py", ["--run-dir", "runs"], "ale_py", "atari"),
-    ("td3_continuous.py", ["--run-dir", "runs"], "mujoco", "mujoco"),
-    ("dqn_cartpole.py", ["--run-dir", "runs"], "torchrl", "offpolicy"),
-    ("grpo_arith.py", ["--run-dir", "runs"], "transformers", "llm"),
-    ("plan_layout.py", [*PLAN, "--out", "plan"], "matplotlib", "plots")])
+    pytest.param("td3_continuous.py", ["--run-dir", "runs"], "mujoco", "mujoco", marks=pytest.mark.slow),
+    pytest.param("dqn_cartpole.py", ["--run-dir", "runs"], "torchrl", "offpolicy", marks=pytest.mark.slow),
+    pytest.param("grpo_arith.py", ["--run-dir", "runs"], "transformers", "llm", marks=pytest.mark.slow),
+    pytest.param("plan_layout.py", [*PLAN, "--out", "plan"], "matplotlib", "plots", marks=pytest.mark.slow)])
 def test_a_missing_extra_is_one_line_naming_it(script, flags, module, extra, tmp_path):
     """The script as a user runs it, with the extra's package not importable: the pip line, exit code 2, nothing
     written."""
@@ -296,6 +297,7 @@ def test_async_ppo_evaluates_the_trainers_weights(tmp_path):
     assert all(r["charts/eval_return"] >= 8 for r in rows if "charts/eval_return" in r)
 
 
+@pytest.mark.slow
 def test_async_ppo_evaluates_and_resumes_with_the_collectors_observation_statistics(tmp_path):
     """Each collector normalizes observations with statistics of its own; they travel with its batches, so the
     trainer evaluates with the newest batch's and checkpoints them, and a resumed run's collectors go on from them
@@ -316,6 +318,7 @@ def test_async_ppo_evaluates_and_resumes_with_the_collectors_observation_statist
     assert torch.load(checkpoint, weights_only=False)["statistics"]["obs_rms"]["count"] >= count + 256
 
 
+@pytest.mark.slow
 def test_capture_video_films_the_evaluation(tmp_path):
     """PPO on Atari: the evaluation at the end is filmed (TD3, SAC and DQN: the next test)."""
     pytest.importorskip("ale_py")
@@ -331,6 +334,7 @@ def test_capture_video_films_the_evaluation(tmp_path):
     assert "charts/eval_return" in rows[-1]
 
 
+@pytest.mark.slow
 def test_off_policy_capture_video_films_every_evaluation_and_a_finished_run(tmp_path):
     """TD3 on Pendulum-v1 (pygame draws it): one whole episode filmed per evaluation, at 100 steps and at the end;
     resumed once finished, with --capture-video, the run films its trained agent again without training."""
@@ -353,8 +357,10 @@ def test_off_policy_capture_video_films_every_evaluation_and_a_finished_run(tmp_
 @pytest.mark.parametrize("script, env_id, message", [
     ("ppo_atari.py", "ALE/Breakoutt-v5", "Unknown Atari game 'Breakoutt': ale-py has no such ROM (close matches: "
                                          "['Breakout'])"),
-    ("ppo_continuous.py", "Blackjack-v1", "Blackjack-v1 has a Tuple observation space; only Box is supported"),
-    ("dqn_cartpole.py", "Pendulum-v1", "DQN needs a discrete action space; got Box(-2.0, 2.0, (1,), float32)"),
+    pytest.param("ppo_continuous.py", "Blackjack-v1", "Blackjack-v1 has a Tuple observation space; only Box is "
+                 "supported", marks=pytest.mark.slow),
+    pytest.param("dqn_cartpole.py", "Pendulum-v1", "DQN needs a discrete action space; got Box(-2.0, 2.0, (1,), "
+                 "float32)", marks=pytest.mark.slow),
     ("td3_continuous.py", "my_envs:Nope-v0", "--env-id my_envs:Nope-v0: cannot import 'my_envs'")])
 def test_an_env_the_script_cannot_train_on_is_one_line(script, env_id, message, tmp_path):
     if script == "ppo_atari.py":
@@ -365,7 +371,7 @@ def test_an_env_the_script_cannot_train_on_is_one_line(script, env_id, message, 
     assert len(proc.stderr.splitlines()) == 1 and os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("script", ["ppo_cartpole.py", "dqn_cartpole.py"])
+@pytest.mark.parametrize("script", ["ppo_cartpole.py", pytest.param("dqn_cartpole.py", marks=pytest.mark.slow)])
 def test_capture_video_of_a_torch_env_is_one_line_before_anything_is_built(script, tmp_path):
     proc = run_script(script, ["--capture-video"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: 'torch/CartPole-v1' steps in torch and does "
