@@ -1,22 +1,22 @@
 """DQN (Mnih et al., 2015) with CleanRL's implementation details.
 
-Read top to bottom: arguments, networks (an MLP, or the Nature CNN for Atari frame stacks), the epsilon schedule,
-the two functions `leanrl.accelerate` compiles and CUDA-graphs (`policy`: epsilon-greedy with the schedule computed
-in-graph from a step counter it advances itself; `update`: the TD loss's gradient step), the learner that builds
-them once, and `train`: CleanRL's loop (an update every `train_frequency` steps, the target copy every
-`target_network_frequency`). The file imports only leanrl, torch and tensordict. From leanrl it uses its tools
-(`accelerate`, `make_adam`, `Logger`, checkpoints, `evaluate`) and `leanrl.offpolicy` (argument checks, torchrl's
-replay buffer and its checkpoint). Environments are passed in: a vector env whose step returns a TensorDict
-(`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
+Read top to bottom: the arguments, the networks (an MLP, or the Nature CNN for Atari frame stacks), the policy
+(epsilon-greedy, its schedule computed in-graph from a step counter it advances itself), the TD loss and its
+gradient step as plain functions, `learn` (what an env step does for learning, one call: store the transition, and
+every `train_frequency` steps sample a batch and update), then `train`: CleanRL's loop (the target copied every
+`target_network_frequency` steps), after one block that decides how each phase runs.
 
-Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
-from `truncated`; the target cuts the bootstrap only on termination, so a time limit bootstraps. For Atari
+Copy-paste contract (kept true by tests/test_copy_paste.py): this file imports only torch, tensordict and leanrl.
+`envs` is a `leanrl.VectorEnv` (leanrl/env.py). A transition stores the true next observation (the env's
+`final_obs`) and `terminated` apart from `truncated`: the target cuts the bootstrap only on termination. For Atari
 frame stacks the buffer keeps only the newest frame of the next observation (the rest of its stack is the
-observation's last three frames), which saves 3/8 of the memory at no cost in exactness.
+observation's last three frames): 3/8 of the memory saved, at no cost in exactness.
 """
 
 import os
 from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -25,8 +25,7 @@ from tensordict import from_module
 from torch.func import functional_call
 
 import leanrl
-from leanrl.offpolicy import (burn_in, check_envs, check_replay_args, make_replay_buffer, open_eval_envs, start,
-                              store)
+from leanrl.replay import burn_in, check_replay_args
 
 
 @dataclass
@@ -140,184 +139,204 @@ def make_q_network(observation_space, action_space, device=None):
     return QNetwork(shape[0], int(action_space.n), device)
 
 
-# ----------------------------------------------------------------------------------- the two functions
+# ---------------------------------------------------------------------------- acting and learning
 def linear_schedule(start_e: float, end_e: float, duration: float, t):
     """Epsilon at step `t` (a tensor): from start_e to end_e over `duration` steps, then end_e."""
     frac = (t / duration).clamp(max=1.0) if duration > 0 else torch.ones_like(t, dtype=torch.float32)
     return start_e + (end_e - start_e) * frac
 
 
-def make_policy(q_inference, step, num_actions: int, start_e: float, end_e: float, duration: float):
-    """Epsilon-greedy with epsilon read from the schedule at `step` (a device tensor holding the global step),
-    which the policy advances itself: the schedule decays in-graph, with no host value to pass in."""
+def policy(dqn, args: Args, obs):
+    """Epsilon-greedy, epsilon read from the schedule at `dqn.step` (a device tensor holding the global step), which
+    the policy advances itself: the schedule decays in-graph, with no host value to pass in."""
+    epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, dqn.step)
+    greedy = dqn.q_inference(obs).argmax(-1)
+    random_actions = torch.randint_like(greedy, dqn.num_actions)
+    explore = torch.rand(greedy.shape, device=greedy.device) < epsilon
+    dqn.step.add_(obs.shape[0])
+    return torch.where(explore, random_actions, greedy), epsilon
 
-    def policy(obs):
-        epsilon = linear_schedule(start_e, end_e, duration, step)
-        greedy = q_inference(obs).argmax(-1)
-        random_actions = torch.randint_like(greedy, num_actions)
-        explore = torch.rand(greedy.shape, device=greedy.device) < epsilon
-        step.add_(obs.shape[0])
-        return torch.where(explore, random_actions, greedy), epsilon
 
-    return policy
+@torch.no_grad()
+def evaluation_policy(dqn, eval_epsilon: float, obs):
+    greedy = dqn.q_inference(obs).argmax(-1)
+    if eval_epsilon == 0:
+        return greedy
+    explore = torch.rand(greedy.shape, device=greedy.device) < eval_epsilon
+    return torch.where(explore, torch.randint_like(greedy, dqn.num_actions), greedy)
 
 
 UPDATE_METRICS = ("losses/td_loss", "losses/q_values")
 
 
-def make_td_loss(q_network, q_target, args: Args, frame_stack: bool):
-    """`td_loss(q_params, obs, actions, rewards, next_obs, terminated) -> (loss, UPDATE_METRICS)`."""
+def td_loss(dqn, args: Args, q_params, data):
+    """The TD error's mean square against the target network's max, and UPDATE_METRICS."""
+    obs, next_obs, rewards = data["obs"], data["next_obs"], data["reward"]
+    if dqn.frame_stack:  # the buffer holds the newest frame of next_obs; the rest of its stack is obs[:, 1:]
+        next_obs = torch.cat([obs[:, 1:], next_obs], 1)
+    if args.clip_reward:
+        rewards = rewards.sign()
+    with torch.no_grad():
+        target_max = dqn.q_target(next_obs).max(-1).values
+        td_target = rewards + args.gamma * target_max * (~data["terminated"]).float()
+    old_val = functional_call(dqn.q_network, q_params, (obs,)).gather(-1, data["action"].unsqueeze(-1)).squeeze(-1)
+    loss = F.mse_loss(old_val, td_target)
+    return loss, torch.stack([loss.detach(), old_val.detach().mean()])
 
-    def td_loss(q_params, obs, actions, rewards, next_obs, terminated):
-        if frame_stack:  # the buffer holds the newest frame of next_obs; the rest of its stack is obs[:, 1:]
-            next_obs = torch.cat([obs[:, 1:], next_obs], 1)
-        if args.clip_reward:
-            rewards = rewards.sign()
-        with torch.no_grad():
-            target_max = q_target(next_obs).max(-1).values
-            td_target = rewards + args.gamma * target_max * (~terminated).float()
-        old_val = functional_call(q_network, q_params, (obs,)).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        loss = F.mse_loss(old_val, td_target)
-        return loss, torch.stack([loss.detach(), old_val.detach().mean()])
 
-    return td_loss
+def gradient_step(dqn, args: Args, data):
+    """td_loss's step: zero_grad, backward, step."""
+    loss, metrics = td_loss(dqn, args, dqn.q_named, data)
+    dqn.optimizer.zero_grad()
+    loss.backward()
+    dqn.optimizer.step()
+    return metrics
+
+
+def learn(dqn, replay, logger, update, device, obs, action, out, *, updates: int):
+    """What an env step does for learning, in one call: store its transitions (next_obs: the true next observation,
+    `final_obs`, of a frame stack only its newest frame), count the episodes that ended, and `updates` times (the
+    train_frequency steps it passed, once learning has started) sample a batch (onto the learner's `device`) and
+    update. Returns the last update's metrics."""
+    next_obs = out["final_obs"][:, -1:] if dqn.frame_stack else out["final_obs"]
+    replay.extend(dict(obs=obs, action=action, reward=out["reward"], next_obs=next_obs, terminated=out["terminated"]))
+    logger.record_episodes(out["episode_return"], out["episode_length"])
+    metrics = ()
+    for _ in range(updates):
+        metrics = (update({k: x.to(device, non_blocking=True) for k, x in replay.sample().items()}),)
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------- training
 class DQN:
-    """Q-network, target network, optimizer, step counter and the accelerated functions, built once."""
+    """The Q-network, its target, the optimizer and the global step the policy's schedule reads. `q_inference` is a
+    weightless copy that reads the Q-network's weights: an alias without autograd history."""
 
-    def __init__(self, args: Args, envs, device):
-        obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    def __init__(self, obs_space, act_space, args: Args, device):
         self.q_network = make_q_network(obs_space, act_space, device)
         self.num_actions, self.frame_stack = int(act_space.n), len(obs_space.shape) == 3
-        self.eval_epsilon = args.eval_epsilon
-        # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
         self.q_inference = make_q_network(obs_space, act_space, "meta")
         from_module(self.q_network).data.to_module(self.q_inference)
+        self.q_inference.requires_grad_(False)  # to_module made its slots Parameters again
         self.q_target = make_q_network(obs_space, act_space, device).requires_grad_(False)
         self.online, self.target = from_module(self.q_network).data, from_module(self.q_target).data
         self.target.update_(self.online)
-        wrap = leanrl.wrap_flags(args, device)
-        # On a CPU, --compile makes the MLP's gradient step ONE compiled graph (`leanrl.gradient_step`; at batch 128
-        # 0.62 ms against 0.98 eager, cpu-2core-intel-xeon). The policy, one observation at a time, and the Atari
-        # CNN's step (21 ms eager, 28.5 as one graph at batch 32) stay eager there.
-        kept_eager = "DQN's policy and its CNN's update" if self.frame_stack else "DQN's policy"
-        eager_on_cpu = leanrl.wrap_flags(args, device, eager_on_cpu=f"{kept_eager}: compiled, slower than eager on a "
-                                         "2-core CPU")
-        update_wrap = eager_on_cpu if self.frame_stack else wrap
-        one_graph = leanrl.compiling_on_cpu(update_wrap) and not self.frame_stack
-        q_named = dict(self.q_network.named_parameters())
-        self.optimizer = leanrl.make_adam(list(q_named.values()), args.learning_rate, **update_wrap)
-
+        self.q_named = dict(self.q_network.named_parameters())
+        self.optimizer = leanrl.make_adam(list(self.q_named.values()), args.learning_rate,
+                                          **leanrl.Acceleration.of(args, device).flags)
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # the global step, advanced by the policy
-        self.policy = leanrl.accelerate(
-            make_policy(self.q_inference, self.step, self.num_actions, args.start_e, args.end_e,
-                        args.exploration_fraction * args.total_timesteps), name="policy", **eager_on_cpu)
-        update = leanrl.gradient_step(make_td_loss(self.q_network, self.q_target, args, self.frame_stack), q_named,
-                                      self.optimizer, one_graph=one_graph, name="update")
-        update_wrap["compile"] &= not one_graph  # one graph per step is compiled already
-        self.update = leanrl.accelerate(update, name="update", **update_wrap)
-
-    @torch.no_grad()
-    def eval_policy(self, obs):
-        greedy = self.q_inference(obs).argmax(-1)
-        if self.eval_epsilon == 0:
-            return greedy
-        explore = torch.rand(greedy.shape, device=greedy.device) < self.eval_epsilon
-        return torch.where(explore, torch.randint_like(greedy, self.num_actions), greedy)
-
-    def benchmark_calls(self, args: Args, obs_shape, device) -> dict:
-        """The accelerated functions with inputs of this run's shapes, for per-call timing (benchmarks). Calling
-        the policy advances its step counter (and so epsilon), as acting would."""
-        B = args.batch_size
-
-        def observations(n):
-            if self.frame_stack:
-                return torch.randint(0, 256, (n, *obs_shape), dtype=torch.uint8, device=device)
-            return torch.randn(n, *obs_shape, device=device)
-
-        obs, next_obs = observations(B), observations(B)
-        if self.frame_stack:
-            next_obs = next_obs[:, -1:].contiguous()
-        actions = torch.randint(0, self.num_actions, (B,), device=device)
-        rewards, terminated = torch.randn(B, device=device), torch.zeros(B, dtype=torch.bool, device=device)
-        return {"policy": (self.policy, (observations(args.num_envs),)),
-                "update": (self.update, (obs, actions, rewards, next_obs, terminated))}
 
     def state_dict(self):
         return dict(q_network=self.q_network.state_dict(), q_target=self.q_target.state_dict(),
                     optimizer=self.optimizer.state_dict())
 
-    def load_state_dict(self, state):
-        # In place, so every address a captured graph holds stays valid.
+    def load_state_dict(self, state):  # in place, so every address a captured graph holds stays valid
         self.q_network.load_state_dict(state["q_network"])
         self.q_target.load_state_dict(state["q_target"])
         leanrl.load_optimizer_state(self.optimizer, state["optimizer"])
         self.step.fill_(state["global_step"])
 
 
-def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None):
-    """Run DQN to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
-    `leanrl.offpolicy.Run` (learner, buffer, counters). `make_eval_envs(video_folder=...)` builds the
-    `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first one records its episodes, with
-    --capture-video; else None). `on_iteration(iteration, global_step)`, when given, is called after every iteration
-    (the benchmarks time the loop with it)."""
+def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
+    """Run DQN to `args.total_timesteps`, from a checkpoint when `args.resume` names one; arguments and result as
+    `td3.train`'s."""
     num_iterations = check_args(args)
-    check_envs("DQN", args, envs, make_eval_envs)
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("learning_starts",))
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    dqn = DQN(args, envs, device)
+    run_dir = leanrl.make_run_dir(args, args.env_id)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    dqn = DQN(obs_space, act_space, args, device)
     leanrl.set_threads(args.threads, dqn.q_network)  # before the first compiled call
-    rb = make_replay_buffer(args.buffer_size, args.batch_size, args.buffer_device or device)
-    run, ckpt_path = start(dqn, rb, args, envs)
-    eval_envs = open_eval_envs(args, make_eval_envs, os.path.dirname(ckpt_path))
-
-    def evaluate():  # from the same start states every time
-        return leanrl.evaluate(dqn.eval_policy, eval_envs, args.seed + 10_000)
-
+    next_obs_shape = (1, *obs_space.shape[1:]) if dqn.frame_stack else obs_space.shape
+    replay = leanrl.Replay(args.buffer_size, args.batch_size, dict(
+        obs=(obs_space.shape, envs.obs_dtype), action=((), torch.int64), reward=((), torch.float32),
+        next_obs=(next_obs_shape, envs.obs_dtype), terminated=((), torch.bool)), args.buffer_device or device)
+    global_step = iteration = fill_start = 0
+    if resumed:
+        leanrl.restore_rng(resumed)
+        dqn.load_state_dict(resumed)
+        global_step, iteration = resumed["global_step"], resumed["iteration"]
+        obs = leanrl.restore_envs(envs, resumed["envs"], resumed["obs"], seed=args.seed + global_step)
+        if resumed["replay_buffer"] is not None:
+            replay.load_state_dict(resumed["replay_buffer"])
+            fill_start = resumed["fill_start"]
+        else:  # a resumed run without its buffer updates again once learning_starts new transitions are stored
+            print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
+                  "with the restored policy and updates again once learning_starts new transitions are stored.")
+            fill_start = global_step
+    else:
+        obs = envs.reset(seed=args.seed)
     # The SPS clock starts once both functions have been compiled and captured: WARMUP + 1 updates.
     logger = leanrl.Logger.from_args(
-        args, os.path.dirname(ckpt_path), args.total_timesteps, checkpoint=ckpt_path, start_step=run.global_step,
-        burn_in=burn_in(args, run, leanrl.WARMUP + 1, lambda a, b: leanrl.crossings(a, b, args.train_frequency)))
+        args, run_dir, args.total_timesteps, checkpoint=ckpt_path, start_step=global_step, device=device,
+        burn_in=burn_in(args, global_step, fill_start, leanrl.WARMUP + 1,
+                        lambda a, b: leanrl.crossings(a, b, args.train_frequency)))
+
+    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
+    accel = leanrl.Acceleration.of(args, device)
+    act = accel.eager_on_cpu("DQN's policy", "one observation at a time, compiling costs more than it saves")(
+        partial(policy, dqn, args), name="policy")
+    if dqn.frame_stack:  # the CNN's step gains nothing from compiling on a CPU
+        accel = accel.eager_on_cpu("DQN's CNN update", "compiled, its convolutions run slower than eager")
+    if replay.device != device:  # a buffer in host memory (a large Atari one): the step's storing and sampling
+        # stay eager, the update alone is accelerated
+        update, fast = accel(partial(gradient_step, dqn, args), name="update"), leanrl.Acceleration()
+    elif accel.cpu_compile:  # a CPU has no graphs: the learner's step one compiled graph, its gradient step functions
+        update, fast = leanrl.functional_step(partial(td_loss, dqn, args), dqn.q_named, dqn.optimizer), accel
+    else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
+        update, fast = partial(gradient_step, dqn, args), accel
+    graph = dict(compile_kwargs=dict(fullgraph=True)) if fast.cpu_compile else {}
+    step = partial(learn, dqn, replay, logger, update, device)
+    learners = {}  # by the number of updates an env step makes (num_envs and train_frequency decide which occur)
+
+    def learner(updates: int):
+        if updates not in learners:
+            learners[updates] = fast(partial(step, updates=updates), name=f"learn_{updates}", **graph)
+        return learners[updates]
+    # ----
+
+    def checkpoint_state():
+        return dict(dqn.state_dict(), envs=envs.state_dict(), obs=obs, global_step=global_step, iteration=iteration,
+                    fill_start=fill_start, replay_buffer=replay.state_dict() if args.save_buffer else None)
+
+    def evaluate():  # from the same start states every time
+        return leanrl.evaluate(partial(evaluation_policy, dqn, args.eval_epsilon), eval_envs, args.seed + 10_000)
+
+    eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
     update_out = None  # the last update's outputs, read at log boundaries
-    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer), args):
-        for iteration in range(run.iteration + 1, num_iterations + 1):
+    with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
+        while iteration < num_iterations:
             with torch.no_grad():
-                action, epsilon = dqn.policy(run.obs)  # epsilon from the schedule, in-graph
+                action, epsilon = act(obs)  # epsilon from the schedule, in-graph
             out = envs.step(action)
-            # final_obs: bootstrap through a time limit; of a frame stack, only its newest frame is new
-            store(run.rb, run.obs, action, out, out["final_obs"][:, -1:] if dqn.frame_stack else out["final_obs"])
-            run.obs = out["next_obs"]
-            before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
+            iteration, before, global_step = iteration + 1, global_step, global_step + args.num_envs
+            learning = global_step - fill_start > args.learning_starts
+            outputs = learner(leanrl.crossings(before, global_step, args.train_frequency) if learning else 0)(
+                obs, action, out)
+            update_out = outputs[0] if outputs else update_out
+            if learning and leanrl.crossings(before, global_step, args.target_network_frequency):
+                dqn.target.lerp_(dqn.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
+            obs = out["next_obs"]
 
-            if run.global_step - run.fill_start > args.learning_starts:
-                for _ in range(leanrl.crossings(before, run.global_step, args.train_frequency)):
-                    run.updates += 1
-                    data = run.rb.sample().to(device)
-                    update_out = dqn.update(data["obs"], data["action"], data["reward"], data["next_obs"],
-                                            data["terminated"])
-                if leanrl.crossings(before, run.global_step, args.target_network_frequency):
-                    dqn.target.lerp_(dqn.online, args.tau)  # one lerp_ in place (tau = 1: an exact copy)
-
-            if (args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every)
-                    and iteration < num_iterations):
+            if args.eval_every and leanrl.crossings(before, global_step, args.eval_every) and \
+                    iteration < num_iterations:
                 logger.record({"charts/eval_return": evaluate()})
-            logger.record_episodes(out["episode_return"], out["episode_length"])
-            logger.end_iteration(run.global_step)
+            logger.end_iteration(global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.record({"charts/epsilon": epsilon})
                 if update_out is not None:
                     logger.record(dict(zip(UPDATE_METRICS, update_out.unbind())))
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
+                leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
-                on_iteration(iteration, run.global_step)
-        if eval_envs is not None:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+                on_iteration(iteration, global_step)
+        if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
             logger.record({"charts/eval_return": evaluate()})
             logger.flush()
             eval_envs.close()
-        leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
-        run.logged = logger.last
-    return run
+        leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
+    return SimpleNamespace(learner=dqn, replay=replay, global_step=global_step, iteration=iteration,
+                           fill_start=fill_start, logged=logger.last, run_dir=run_dir)

@@ -1,31 +1,23 @@
 """PPO (Schulman et al., 2017) with CleanRL's implementation details.
 
-Read top to bottom: arguments, networks, the phases lifted into functions (`policy`, `rollout`, `gae`, `update`)
-so `leanrl.accelerate` can compile and CUDA-graph them, then `train`, whose loop is the whole algorithm.
+Read top to bottom: the arguments, the networks, the phases as plain functions (`policy`, `act`, `rollout`, `gae`,
+`ppo_loss`, `update`), then `train`: CleanRL's loop, after one block that decides how each phase runs.
 
 Copy-paste contract (kept true by tests/test_copy_paste.py): this file imports only torch, numpy, tensordict and
-leanrl. `envs` is a vector env with torch tensors in and out: a gymnasium vector env made
-with `autoreset_mode=AutoresetMode.SAME_STEP` and wrapped in `leanrl.TorchVectorEnv`, or any env of
-`leanrl.envs`. It provides `num_envs`, `single_observation_space`, `single_action_space` (gymnasium spaces),
-`obs_dtype`, `on_device`, `reset(seed) -> obs`, `step(action) -> TensorDict(next_obs, final_obs, reward,
-terminated, truncated, episode_return, episode_length)`, `state_dict()` and `load_state_dict()`. An on-device env
-(`on_device`, stepped in torch: `leanrl.envs`' torch/ ones) also takes its auto-reset noise, `step(action,
-reset_noise)` with `reset_noise(num_steps)`, and steps as a pure function for a compiled scan: `carry`,
-`transition(carry, action, reset_noise) -> (carry, outputs)`, `set_carry(carry)`.
+leanrl. `envs` is a `leanrl.VectorEnv` (leanrl/env.py): any of `leanrl.envs`, or a gymnasium vector env made with
+`autoreset_mode=AutoresetMode.SAME_STEP` and wrapped in `leanrl.TorchVectorEnv`.
 """
 
-import functools
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn as nn
 from tensordict import TensorDict, from_module
-from torch._higher_order_ops.scan import scan
-from torch.torch_version import TorchVersion
 
 import leanrl
 
@@ -54,6 +46,9 @@ class Args(leanrl.RunArgs):
     """toggles advantages normalization"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient"""
+    anneal_clip: bool = False
+    """anneal the clipping coefficient to 0 with the iterations, as --anneal-lr the learning rate (rl-baselines3-zoo's
+    `clip_range: lin_...`)"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function"""
     ent_coef: float = 0.01
@@ -116,9 +111,8 @@ class AtariAgent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1, device=device), std=1)
 
     def trunk(self, obs):
-        # The frames to float in one copy, already in the convolutions' channels_last layout: `obs / 255.0` made an
-        # NCHW copy that oneDNN converted again, forward and backward. Eager update at the Atari minibatch on a
-        # 2-core CPU: 73 ms against 97 (compiled: 68-69 ms either way, inductor already fused it).
+        # The frames to float in one copy, already in the convolutions' channels_last layout: `obs / 255.0` makes an
+        # NCHW copy that oneDNN converts again, forward and backward.
         return self.network(obs.to(torch.float32, memory_format=torch.channels_last, copy=True).div_(255.0))
 
     def forward(self, obs):
@@ -157,9 +151,7 @@ class MLPAgent(nn.Module):
 
 def make_agent(observation_space, action_space, device=None):
     continuous = action_space.shape != ()
-    if len(observation_space.shape) == 3:
-        # channels_last is the conv layout oneDNN and cuDNN prefer: at the Atari minibatch on CPU the update is
-        # 1.36x faster eager and 1.14x faster compiled than with contiguous weights.
+    if len(observation_space.shape) == 3:  # channels_last: the conv layout oneDNN and cuDNN prefer
         return AtariAgent(action_space.n, device).to(memory_format=torch.channels_last)
     action_dim = action_space.shape[0] if continuous else action_space.n
     return MLPAgent(int(np.prod(observation_space.shape)), action_dim, continuous, device)
@@ -188,61 +180,81 @@ def sample_and_logprob(agent, dist_params, action=None, noise=None):
     return action, logprob, entropy
 
 
-# ----------------------------------------------------------------------------------- the three phases
-def make_policy(agent_inference):
-    def policy(obs, noise=None):
-        dist_params, value = agent_inference(obs)
-        action, logprob, _ = sample_and_logprob(agent_inference, dist_params, noise=noise)
-        return action, logprob, value
-
-    return policy
+# ------------------------------------------------------------------------------------------- the phases
+def policy(agent, obs, noise=None):
+    """The action sampled for `obs`, its log-probability and the state's value."""
+    dist_params, value = agent(obs)
+    action, logprob, _ = sample_and_logprob(agent, dist_params, noise=noise)
+    return action, logprob, value
 
 
-def draw_noise(envs, args: Args, device) -> tuple:
+def draw_noise(envs, num_steps: int, device) -> tuple:
     """A rollout's random numbers, drawn at once before it: the policy's samples and, with an on-device env, its
     auto-reset states, each (num_steps, ...). Every mode (eager, compiled step by step, CUDA-graphed, one scan)
     uses them in the same order, so all take the same actions from the same seed."""
-    space, shape = envs.single_action_space, (args.num_steps, envs.num_envs)
+    space, shape = envs.single_action_space, (num_steps, envs.num_envs)
     policy_noise = (torch.randn(*shape, space.shape[0], device=device) if space.shape else
                     torch.rand(*shape, space.n, device=device))
-    return (policy_noise, envs.reset_noise(args.num_steps)) if envs.on_device else (policy_noise,)
+    return (policy_noise, envs.reset_noise(num_steps)) if envs.on_device else (policy_noise,)
 
 
-def make_act(policy, get_value, env_step, args: Args):
-    """One step of acting: the policy, the env, and the critic on each true final observation (to bootstrap
-    truncated episodes, as `final_values` in the env's output). `noise`: this step's of `draw_noise`."""
-    def act(obs, *noise):
-        action, logprob, value = policy(obs, noise[0])
-        out = env_step(action, *noise[1:])
-        if args.bootstrap_truncated:
-            out["final_values"] = get_value(out["final_obs"])
-        return action, logprob, value, out
-
-    return act
-
-
-def make_acting(agent_inference, envs, args: Args, wrap: dict):
-    """`act` and `get_value`, accelerated. With an on-device env a whole step is one compiled call (one CUDA graph):
-    each call pays guards and wrapper overhead, so on a 2-core CPU (AMD EPYC) a 128-step rollout of 4 CartPoles
-    took 81 ms in one call per step, 248 ms in three (policy, env, critic), 213 ms eager. On a CPU `train` scans
-    the whole rollout instead (`make_scanned_rollout`): 3.8 ms, against 18.7 ms in one call per step and 39 ms
-    eager (one thread, cpu-2core-intel-xeon, one run). A host env steps eagerly between the compiled policy and
-    critic."""
-    policy, get_value = make_policy(agent_inference), agent_inference.get_value
-    fast_value = leanrl.accelerate(get_value, name="get_value", **wrap)
-    if envs.on_device:
-        return leanrl.accelerate(make_act(policy, get_value, envs.step, args), name="act", **wrap), fast_value
-    return make_act(leanrl.accelerate(policy, name="policy", **wrap), fast_value, envs.step, args), fast_value
-
-
-def stored_step(obs, action, logprob, value, out, args: Args) -> dict:
-    """What the rollout stores of a step, by storage key."""
+def act(policy, get_value, args: Args, env_step, obs, noise: tuple):
+    """One step: the policy, the env, and the critic on each true final observation (to bootstrap truncated
+    episodes). Returns the next observation and what the rollout stores of the step, by storage key."""
+    action, logprob, value = policy(obs, noise[0])
+    out = env_step(action, *noise[1:])
     stored = dict(obs=obs, actions=action, logprobs=logprob, values=value,
                   rewards=out["reward"].sign() if args.clip_reward else out["reward"],
                   **{key: out[key] for key in ("terminated", "truncated", "episode_return", "episode_length")})
     if args.bootstrap_truncated:
-        stored["final_values"] = out["final_values"]
-    return stored
+        stored["final_values"] = get_value(out["final_obs"])
+    return out["next_obs"], stored
+
+
+def make_storage(envs, args: Args, device) -> TensorDict:
+    """The rollout buffer, (num_steps, num_envs), allocated once: captured graphs read and write its addresses."""
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    T, N = args.num_steps, args.num_envs
+    zeros = dict(device=device)
+    return TensorDict(
+        obs=torch.zeros(T, N, *obs_space.shape, dtype=envs.obs_dtype, **zeros),
+        actions=torch.zeros(T, N, *act_space.shape, dtype=torch.float32 if act_space.shape else torch.long, **zeros),
+        logprobs=torch.zeros(T, N, **zeros), values=torch.zeros(T, N, **zeros), rewards=torch.zeros(T, N, **zeros),
+        final_values=torch.zeros(T, N, **zeros), terminated=torch.zeros(T, N, dtype=torch.bool, **zeros),
+        truncated=torch.zeros(T, N, dtype=torch.bool, **zeros), episode_return=torch.zeros(T, N, **zeros),
+        episode_length=torch.zeros(T, N, **zeros), batch_size=[T, N], device=device)
+
+
+@torch.no_grad()
+def rollout(step, envs, next_obs, storage, args: Args):
+    """`num_steps` calls of `step(obs, noise)` (`act` with its env) into `storage`, `next_obs` advanced in place (a
+    captured iteration reads its address)."""
+    noise = draw_noise(envs, args.num_steps, next_obs.device)
+    for t in range(args.num_steps):
+        obs, stored = step(next_obs, tuple(n[t] for n in noise))
+        # Key by key: writing a TensorDict costs more than the step's compiled call, and breaks a compiled rollout.
+        for key, x in stored.items():
+            storage[key][t] = x
+        next_obs.copy_(obs)
+
+
+@torch.no_grad()
+def scanned_rollout(scanned, envs, next_obs, storage, args: Args):
+    """`rollout` as one call: `scanned` is `act` over the whole rollout, a compiled scan (`leanrl.scan_env_steps`)."""
+    last_obs, stored = scanned(next_obs, draw_noise(envs, args.num_steps, next_obs.device))
+    storage.update_(stored)
+    next_obs.copy_(last_obs)
+
+
+def bootstrap(get_value, next_obs, storage, args: Args):
+    """Value of each transition's true next state (the next stored value, or the final observation's), and GAE's
+    terminations."""
+    s = storage
+    next_values = torch.cat([s["values"][1:], get_value(next_obs).unsqueeze(0)])
+    if args.bootstrap_truncated:
+        next_values = torch.where(s["truncated"], s["final_values"], next_values)
+    terminated = s["terminated"] if args.bootstrap_truncated else s["terminated"] | s["truncated"]
+    return next_values, terminated
 
 
 def gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
@@ -262,8 +274,24 @@ def gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambd
     return advantages, advantages + values
 
 
+def value_loss(newvalue, returns, values, clip_coef, clip_vloss: bool):
+    v_loss_unclipped = (newvalue - returns) ** 2
+    if clip_vloss:
+        v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
+        v_loss_clipped = (v_clipped - returns) ** 2
+        return 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+    return 0.5 * v_loss_unclipped.mean()
+
+
+# What ppo_loss measures, then the update's gradient norm and the batch's explained variance.
+UPDATE_METRICS = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/old_approx_kl",
+                  "losses/approx_kl", "losses/clipfrac", "losses/grad_norm", "losses/explained_variance")
+
+
 def ppo_loss(agent, obs, actions, logprobs, advantages, returns, values, *, clip_coef, clip_vloss, norm_adv,
              ent_coef, vf_coef):
+    """The clipped surrogate, value and entropy loss of a minibatch, and its statistics (UPDATE_METRICS' first six)
+    stacked. `clip_coef` may be a tensor annealed in place (--anneal-clip)."""
     dist_params, newvalue = agent(obs)
     _, newlogprob, entropy = sample_and_logprob(agent, dist_params, actions)
     logratio = newlogprob - logprobs
@@ -279,47 +307,24 @@ def ppo_loss(agent, obs, actions, logprobs, advantages, returns, values, *, clip
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-    v_loss_unclipped = (newvalue - returns) ** 2
-    if clip_vloss:
-        v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
-        v_loss_clipped = (v_clipped - returns) ** 2
-        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
-    else:
-        v_loss = 0.5 * v_loss_unclipped.mean()
-
+    v_loss = value_loss(newvalue, returns, values, clip_coef, clip_vloss)
     entropy_loss = entropy.mean()
     loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
-    metrics = dict(pg_loss=pg_loss, v_loss=v_loss, entropy=entropy_loss, old_approx_kl=old_approx_kl,
-                   approx_kl=approx_kl, clipfrac=clipfrac)
-    return loss, metrics
-
-
-def loss_coefs(args: Args) -> dict:
-    return dict(clip_coef=args.clip_coef, clip_vloss=args.clip_vloss, norm_adv=args.norm_adv, ent_coef=args.ent_coef,
-                vf_coef=args.vf_coef)
-
-
-def update_outputs(m: dict, grad_norm) -> tuple:
-    """What an update returns: its minibatch's losses and statistics, in UPDATE_METRICS' order."""
-    return (m["pg_loss"].detach(), m["v_loss"].detach(), m["entropy"].detach(), m["old_approx_kl"], m["approx_kl"],
-            m["clipfrac"], grad_norm.detach())
-
-
-def make_update(agent, optimizer, args: Args, loss=ppo_loss):
-    """One gradient step on a minibatch, given as `loss`'s arguments after the agent (`ppo_loss`'s: MINIBATCH_KEYS)."""
-    def update(*minibatch):
-        optimizer.zero_grad()
-        value, m = loss(agent, *minibatch, **loss_coefs(args))
-        value.backward()
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-        optimizer.step()
-        return update_outputs(m, grad_norm)
-
-    return update
+    return loss, torch.stack([pg_loss.detach(), v_loss.detach(), entropy_loss.detach(), old_approx_kl, approx_kl,
+                              clipfrac])
 
 
 MINIBATCH_KEYS = ("obs", "actions", "logprobs", "advantages", "returns", "values")  # `ppo_loss`'s arguments
+
+
+def update(agent, optimizer, loss, max_grad_norm: float, *minibatch):
+    """One gradient step of `loss(agent, *minibatch) -> (value, metrics)`: its metrics and gradient norm."""
+    optimizer.zero_grad()
+    value, metrics = loss(agent, *minibatch)
+    value.backward()
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
+    optimizer.step()
+    return metrics, grad_norm.detach()
 
 
 def minibatches(args: Args, batch_size: int, device) -> torch.Tensor:
@@ -329,156 +334,20 @@ def minibatches(args: Args, batch_size: int, device) -> torch.Tensor:
         args.update_epochs * args.num_minibatches, -1)
 
 
-def update_epochs(update, b, args: Args, keys=MINIBATCH_KEYS) -> tuple:
-    """Every epoch's minibatch updates, one call each; the last one's outputs."""
-    for mb_inds in minibatches(args, b.shape[0], b.device):
+def update_epochs(update, keys, b, indices) -> tuple:
+    """`update` on every epoch's minibatches (`indices`' rows) of the flat batch `b`, one call each; the last one's
+    outputs."""
+    for mb_inds in indices:
         mb = b[mb_inds]
         out = update(*(mb[key] for key in keys))
     return out
 
 
-# A compiled scan (torch 2.13) takes fullgraph=True: without it, inductor's lowering of the scan to a loop fails on
-# reading the loop index. The scan is marked cacheable: inductor's cache skips higher-order ops unless told, and
-# every run then compiled the scan again (3 s of a warm start-up). The key still holds the scanned body's code.
-SCAN_OPTIONS = dict(unsafe_marked_cacheable_functions={"torch.ops.higher_order.scan": torch.__version__})
-
-
-def make_scanned_update(agent, optimizer, args: Args, wrap: dict, loss=ppo_loss, keys=MINIBATCH_KEYS):
-    """On a CPU under --compile: `update_epochs` as one compiled call, a scan over the minibatches that carries the
-    parameters and Adam's state (`leanrl.ScannableAdam`); each step is `update`'s math written as functions:
-    torch.func.grad of the same `loss`, torch's gradient clipping, torch's Adam. One compiled `update` per
-    minibatch is three graphs (backward and the optimizer step break it), each paying guards and Python.
-    At CleanRL's CartPole settings (16 updates of 128 per iteration), one thread, cpu-2core-intel-xeon: 5.5 ms
-    scanned, 19.5 ms in one compiled call per update, 27 ms eager."""
-    adam = leanrl.ScannableAdam(dict(agent.named_parameters()), optimizer)
-
-    def params_loss(params, mb):  # `loss` of the parameters the scan carries, swapped into `agent` for the call
-        with torch.nn.utils.stateless._reparametrize_module(agent, params):
-            return loss(agent, *mb, **loss_coefs(args))
-
-    def scan_epochs(carry, batch, minibatch_inds, lr):
-        def step(carry, mb_inds):
-            grads, m = torch.func.grad(params_loss, has_aux=True)(carry[0], tuple(x[mb_inds] for x in batch))
-            grad_norm = nn.utils.get_total_norm(grads.values())
-            # nn.utils.clip_grads_with_norm_'s math, written out: its in-place scaling of torch.func's gradients
-            # is lost inside a compiled scan (torch 2.13; the test against eager catches it)
-            clip = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-            grads = {name: g * clip for name, g in grads.items()}
-            return adam.step(carry, grads, lr), torch.stack(update_outputs(m, grad_norm))
-
-        return scan(step, carry, minibatch_inds)
-
-    scanned = leanrl.accelerate(scan_epochs, name="update", compile_kwargs=dict(fullgraph=True, options=SCAN_OPTIONS),
-                                **wrap)
-
-    def scanned_update_epochs(b):
-        carry, outputs = scanned(adam.carry(), tuple(b[key] for key in keys), minibatches(args, b.shape[0], b.device),
-                                 optimizer.param_groups[0]["lr"])
-        adam.load(carry)
-        return tuple(outputs[-1])
-
-    return scanned_update_epochs
-
-
-def make_learn(agent, optimizer, args: Args, wrap: dict, loss=ppo_loss, keys=MINIBATCH_KEYS):
-    """`learn(b)`: every epoch's minibatch updates on the flat batch `b`, the last one's outputs. On a CPU under
-    --compile, one scan (a CPU has no graphs: fewer, larger calls); for the MLP agents only: the Atari CNN's 4
-    updates of 256 took 394 ms scanned against 289 ms in one compiled call each (418 ms eager). Else one
-    accelerated `update` call per minibatch."""
-    if leanrl.compiling_on_cpu(wrap) and isinstance(agent, MLPAgent):
-        return make_scanned_update(agent, optimizer, args, wrap, loss, keys)
-    update = leanrl.accelerate(make_update(agent, optimizer, args, loss), name="update", **wrap)
-    return functools.partial(update_epochs, update, args=args, keys=keys)
-
-
-MAX_COMPILED_GAE_STEPS = 256  # longer rollouts run GAE uncompiled (still inside the CUDA graph with --cudagraphs)
-
-
-def make_gae(args: Args, wrap: dict):
-    """`gae`, accelerated. torch.compile unrolls its loop: fine at Atari's 128 steps on a GPU, but a 2048-step
-    rollout (MuJoCo) takes about 10 minutes and 800 MB to compile on CPU, for a loop that costs milliseconds eager."""
-    compile = wrap["compile"] and args.num_steps <= MAX_COMPILED_GAE_STEPS and leanrl.wrap_flags(
-        args, wrap["device"], eager_on_cpu="GAE: its loop, unrolled, compiles for longer than a whole short run "
-        "saves")["compile"]
-    return leanrl.accelerate(gae, name="gae", **{**wrap, "compile": compile})
-
-
-UPDATE_METRICS = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/old_approx_kl",
-                  "losses/approx_kl", "losses/clipfrac", "losses/grad_norm", "losses/explained_variance")
-
-
-def make_storage(envs, args: Args, device) -> TensorDict:
-    """The rollout buffer, (num_steps, num_envs), allocated once: captured graphs read and write its addresses."""
-    obs_space, act_space = envs.single_observation_space, envs.single_action_space
-    T, N = args.num_steps, args.num_envs
-    zeros = dict(device=device)
-    return TensorDict(
-        obs=torch.zeros(T, N, *obs_space.shape, dtype=envs.obs_dtype, **zeros),
-        actions=torch.zeros(T, N, *act_space.shape, dtype=torch.float32 if act_space.shape else torch.long, **zeros),
-        logprobs=torch.zeros(T, N, **zeros), values=torch.zeros(T, N, **zeros), rewards=torch.zeros(T, N, **zeros),
-        final_values=torch.zeros(T, N, **zeros), terminated=torch.zeros(T, N, dtype=torch.bool, **zeros),
-        truncated=torch.zeros(T, N, dtype=torch.bool, **zeros), episode_return=torch.zeros(T, N, **zeros),
-        episode_length=torch.zeros(T, N, **zeros), batch_size=[T, N], device=device)
-
-
-@torch.no_grad()
-def rollout(act, get_value, envs, next_obs, storage, args: Args):
-    """Acting and storing: `num_steps` steps of every env into `storage`, `next_obs` advanced in place (a captured
-    iteration reads its address). Returns the value of each transition's true next state and GAE's terminations."""
-    noise = draw_noise(envs, args, next_obs.device)
-    for step in range(args.num_steps):
-        action, logprob, value, out = act(next_obs, *(n[step] for n in noise))
-        # Key by key: writing a TensorDict costs more than the step's compiled call, and breaks a compiled rollout.
-        for key, x in stored_step(next_obs, action, logprob, value, out, args).items():
-            storage[key][step] = x
-        next_obs.copy_(out["next_obs"])
-    return bootstrap(get_value, next_obs, storage, args)
-
-
-def bootstrap(get_value, next_obs, storage, args: Args):
-    """Value of each transition's true next state (the next stored value, or the final observation's), and GAE's
-    terminations."""
-    s = storage
-    next_values = torch.cat([s["values"][1:], get_value(next_obs).unsqueeze(0)])
-    if args.bootstrap_truncated:
-        next_values = torch.where(s["truncated"], s["final_values"], next_values)
-    terminated = s["terminated"] if args.bootstrap_truncated else s["terminated"] | s["truncated"]
-    return next_values, terminated
-
-
-def make_scanned_rollout(agent_inference, envs, args: Args, wrap: dict):
-    """With an on-device env on a CPU, under --compile: the whole rollout as one compiled call, a scan over the
-    steps (torch's scan operator) whose loop runs in inductor's C++ wrapper, so guards and Python are paid once
-    per rollout, not once per step (timed in `make_acting`'s docstring). Same contract as `rollout`, the env's state
-    carried through the scan and written back after it. Not on CUDA, where one graph per step already removes
-    that cost, and not for the async collectors, which take in-flight weights between steps."""
-    policy = make_policy(agent_inference)
-
-    def step(carry, noise):  # `act`, with the env's state passed along instead of written
-        (obs, env_carry), (policy_noise, reset_noise) = carry, noise
-        action, logprob, value = policy(obs, policy_noise)
-        env_carry, out = envs.transition(env_carry, action, reset_noise)
-        if args.bootstrap_truncated:
-            out["final_values"] = agent_inference.get_value(out["final_obs"])
-        # obs cloned: a scan's output may not alias its input
-        return (out["next_obs"], env_carry), stored_step(obs.clone(), action, logprob, value, out, args)
-
-    # torch 2.11's C++ wrapper cannot emit the scan's loop (AssertionError in codegen_while_loop); the Python one can
-    options = dict(SCAN_OPTIONS, cpp_wrapper=TorchVersion(torch.__version__) >= "2.13")
-    scanned = leanrl.accelerate(lambda obs, env_carry, noise: scan(step, (obs, env_carry), noise), name="rollout",
-                                compile_kwargs=dict(fullgraph=True, options=options), **wrap)
-
-    @torch.no_grad()
-    def scanned_rollout(next_obs, storage):
-        (last_obs, env_carry), stored = scanned(next_obs, envs.carry, draw_noise(envs, args, next_obs.device))
-        for key, x in stored.items():
-            storage[key].copy_(x)
-        envs.set_carry(env_carry)
-        next_obs.copy_(last_obs)
-        # The last critic pass eager: one small call per rollout, not worth a graph to trace at start-up
-        return bootstrap(agent_inference.get_value, next_obs, storage, args)
-
-    return scanned_rollout
+def scanned_epochs(scanned, keys, b, indices) -> tuple:
+    """`update_epochs` as one call: `scanned` is the update over all of them, a compiled scan
+    (`leanrl.scan_gradient_steps`)."""
+    metrics, grad_norms = scanned(tuple(b[key] for key in keys), indices)
+    return metrics[-1], grad_norms[-1]
 
 
 def flat_batch(storage, advantages, returns) -> TensorDict:
@@ -492,20 +361,17 @@ def explained_variance(b) -> torch.Tensor:
     return 1 - (b["returns"] - b["values"]).var() / b["returns"].var()
 
 
-def make_evaluation(agent_inference, eval_envs, args: Args, statistics, own_draws=True):
-    """evaluate() -> the mean return of the policy as it samples over `eval_envs`' episodes, their observations
-    normalized as in training: with `statistics()` (the training envs' `statistics()`) at each call. `own_draws`: as
-    in `leanrl.evaluate`."""
-    policy = make_policy(agent_inference)  # eager: its batch is eval_episodes, not num_envs
-
-    def evaluate():
-        eval_envs.load_statistics(statistics())
-        return leanrl.evaluate(lambda obs: policy(obs)[0], eval_envs, args.seed + 10_000, own_draws)
-
-    return evaluate
+def evaluate_policy(agent, eval_envs, statistics: dict, seed: int, own_draws: bool = True):
+    """The mean return of the policy as it samples over `eval_envs`' episodes, their observations normalized with
+    the training envs' `statistics` (`leanrl.evaluate`; `own_draws` as there). Eager: its batch is eval_episodes."""
+    eval_envs.load_statistics(statistics)
+    return leanrl.evaluate(lambda obs: policy(agent, obs)[0], eval_envs, seed, own_draws)
 
 
 # ------------------------------------------------------------------------------------------- training
+MAX_COMPILED_GAE_STEPS = 256  # longer rollouts run GAE uncompiled (still inside the CUDA graph with --cudagraphs)
+
+
 def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
     """Train to `args.total_timesteps`; log to the run directory (see `leanrl.Logger`); checkpoint every
     `checkpoint_every` iterations, at the end and on Ctrl-C/SIGTERM; resume exactly from `args.resume`.
@@ -513,15 +379,13 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     where the first one records its episodes, with `--capture-video`; else None).
     `on_iteration(iteration, global_step)` is called after each iteration (benchmarks time with it). Returns the
     agent, optimizer, last logged values and counters."""
-    device = device or leanrl.resolve_device(args.device)
+    device = torch.device(device or leanrl.resolve_device(args.device))
     batch_size, _, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
         raise leanrl.UsageError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
-    evaluating = args.eval_every > 0 or args.capture_video
-    if evaluating and make_eval_envs is None:
-        raise leanrl.UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
     # Without annealing no schedule depends on the horizon: a resumed run may go on longer.
-    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, () if args.anneal_lr else ("total_timesteps",))
+    anneals = args.anneal_lr or args.anneal_clip
+    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, () if anneals else ("total_timesteps",))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
@@ -533,37 +397,62 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     leanrl.set_threads(args.threads, agent_inference)
     agent = make_agent(envs.single_observation_space, envs.single_action_space, device)
     from_module(agent).data.to_module(agent_inference)
-    wrap = leanrl.wrap_flags(args, device)
-    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)  # eps as CleanRL
+    agent_inference.requires_grad_(False)  # to_module made its slots Parameters again
+    accel = leanrl.Acceleration.of(args, device)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **accel.flags)  # eps as CleanRL
+    clip_coef = torch.tensor(args.clip_coef, device=device)  # annealed in place, where captured graphs read it
+    loss = partial(ppo_loss, clip_coef=clip_coef, clip_vloss=args.clip_vloss, norm_adv=args.norm_adv,
+                   ent_coef=args.ent_coef, vf_coef=args.vf_coef)
 
-    # With --graph-iteration the phases are only compiled: one outer graph captures them all.
-    wrap["cudagraphs"] = args.cudagraphs and not args.graph_iteration
-    if leanrl.compiling_on_cpu(wrap) and envs.on_device:  # a CPU has no graphs: one scan
-        collect = make_scanned_rollout(agent_inference, envs, args, wrap)
+    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
+    # With --graph-iteration the phases are only compiled: one CUDA graph captures the whole iteration (below).
+    fast = accel.replace(cudagraphs=False) if args.graph_iteration else accel
+    agent_policy, get_value = partial(policy, agent_inference), agent_inference.get_value
+    if fast.cpu_compile and envs.on_device:  # a CPU has no graphs: the whole rollout one compiled scan
+        # (obs cloned: a scan's output may not alias its input; the last critic pass stays eager, one per rollout)
+        scanned = leanrl.scan_env_steps(lambda env_step, obs, noise: act(agent_policy, get_value, args, env_step,
+                                                                         obs.clone(), noise), envs, fast)
+        collect = partial(scanned_rollout, scanned, envs, args=args)
+    elif envs.on_device:  # a step (policy, env, critic) one compiled call, one CUDA graph
+        collect = partial(rollout, fast(partial(act, agent_policy, get_value, args, envs.step), name="act"), envs,
+                          args=args)
+        get_value = fast(get_value, name="get_value")
+    else:  # a host env steps eagerly between the compiled policy and critic
+        get_value = fast(get_value, name="get_value")
+        collect = partial(rollout, partial(act, fast(agent_policy, name="policy"), get_value, args, envs.step),
+                          envs, args=args)
+    # torch.compile unrolls GAE's loop: fine at Atari's 128 steps on a GPU, minutes of compile at MuJoCo's 2048
+    gae_fn = fast.replace(compile=fast.compile and args.num_steps <= MAX_COMPILED_GAE_STEPS).eager_on_cpu(
+        "GAE", "its loop, unrolled, compiles for longer than a whole short run saves")(gae, name="gae")
+    if fast.cpu_compile and isinstance(agent, MLPAgent):  # every epoch's updates one compiled scan (not the CNN's:
+        # its convolutions gain nothing from it)
+        learn = partial(scanned_epochs, leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm, fast),
+                        MINIBATCH_KEYS)
     else:
-        collect = functools.partial(rollout, *make_acting(agent_inference, envs, args, wrap), envs, args=args)
-    gae_fn = make_gae(args, wrap)
-    learn = make_learn(agent, optimizer, args, wrap)
+        learn = partial(update_epochs, fast(partial(update, agent, optimizer, loss, args.max_grad_norm),
+                                            name="update"), MINIBATCH_KEYS)
+    # ----
     storage = make_storage(envs, args, device)
 
     iteration = 0
     if resumed:  # before any capture: parameters are copied in place, the tensor learning rate is kept
-        state = resumed
-        leanrl.restore_rng(state)
-        agent.load_state_dict(state["agent"])
-        leanrl.load_optimizer_state(optimizer, state["optimizer"])
-        iteration = state["iteration"]
-        next_obs = leanrl.restore_envs(envs, state["envs"], state["next_obs"], seed=args.seed + iteration)
+        leanrl.restore_rng(resumed)
+        agent.load_state_dict(resumed["agent"])
+        leanrl.load_optimizer_state(optimizer, resumed["optimizer"])
+        iteration = resumed["iteration"]
+        next_obs = leanrl.restore_envs(envs, resumed["envs"], resumed["next_obs"], seed=args.seed + iteration)
     else:
         next_obs = envs.reset(seed=args.seed)
 
     def one_iteration():
         """Acting and storing, GAE, every update epoch; the last minibatch's metrics and the explained variance."""
-        next_values, terminated = collect(next_obs, storage)
+        collect(next_obs, storage)
+        next_values, terminated = bootstrap(get_value, next_obs, storage, args)
         advantages, returns = gae_fn(storage["rewards"], storage["values"], next_values, terminated,
                                      storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
         b = flat_batch(storage, advantages, returns)
-        return (*learn(b), explained_variance(b))
+        metrics, grad_norm = learn(b, minibatches(args, batch_size, device))
+        return *metrics.unbind(), grad_norm, explained_variance(b)
 
     if args.graph_iteration:
         one_iteration = leanrl.accelerate(one_iteration, cudagraphs=args.cudagraphs, device=device, name="iteration")
@@ -572,16 +461,17 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), envs=envs.state_dict(),
                     next_obs=next_obs, global_step=iteration * batch_size, iteration=iteration)
 
-    if evaluating:
-        eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
-        evaluate = make_evaluation(agent_inference, eval_envs, args, envs.statistics)
-
+    eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
+    evaluate = eval_envs and partial(evaluate_policy, agent_inference, eval_envs, seed=args.seed + 10_000)
     logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=iteration * batch_size,
                                      checkpoint=ckpt_path)
     with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
+            frac = 1.0 - iteration / num_iterations
             if args.anneal_lr:
-                optimizer.param_groups[0]["lr"].fill_((1.0 - iteration / num_iterations) * args.learning_rate)
+                optimizer.param_groups[0]["lr"].fill_(frac * args.learning_rate)
+            if args.anneal_clip:
+                clip_coef.fill_(frac * args.clip_coef)
             metrics = dict(zip(UPDATE_METRICS, one_iteration()))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
             logger.record(metrics)
@@ -590,15 +480,15 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
             logger.end_iteration(iteration * batch_size)
             if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,
                                                     args.eval_every) and iteration < num_iterations:
-                logger.record({"charts/eval_return": evaluate()})
+                logger.record({"charts/eval_return": evaluate(envs.statistics())})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()  # the log boundary: the one device-to-host read
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
                 on_iteration(iteration, iteration * batch_size)
-        if evaluating:  # the trained policy, also when a finished run is resumed only to evaluate or film it
-            logger.record({"charts/eval_return": evaluate()})
+        if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": evaluate(envs.statistics())})
             logger.flush()
             eval_envs.close()
         leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)

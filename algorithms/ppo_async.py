@@ -4,8 +4,8 @@ none). PPO's networks, rollout, GAE and update epochs are imported from `ppo.py`
 the collector and the trainer's loop. Depends on torch, tensordict, `leanrl` (its pipeline) and `ppo.py` beside it.
 """
 
-import os
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import Literal
 
@@ -43,7 +43,7 @@ def truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, retur
                       clip_vloss, norm_adv, ent_coef, vf_coef):
     """PipelineRL's off-policy policy gradient: -A * min(pi/mu, is_clip) * log pi, the importance weight to the
     behaviour policy mu truncated and detached (its gradient is pi/mu * A * grad log pi below the clip);
-    value and entropy terms as in `ppo.ppo_loss`."""
+    value and entropy terms, and the statistics, as in `ppo.ppo_loss` (clipfrac: the truncated fraction)."""
     dist_params, newvalue = agent(obs)
     _, newlogprob, entropy = ppo.sample_and_logprob(agent, dist_params, actions)
     logratio = newlogprob - behaviour_logprobs
@@ -51,18 +51,13 @@ def truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, retur
     if norm_adv:
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     pg_loss = -(weight * advantages * newlogprob).mean()
-    v_loss_unclipped = (newvalue - returns) ** 2
-    if clip_vloss:
-        v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
-        v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - returns) ** 2).mean()
-    else:
-        v_loss = 0.5 * v_loss_unclipped.mean()
+    v_loss = ppo.value_loss(newvalue, returns, values, clip_coef, clip_vloss)
     entropy_loss = entropy.mean()
     loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
     with torch.no_grad():
         ratio = logratio.exp()
-        metrics = dict(pg_loss=pg_loss, v_loss=v_loss, entropy=entropy_loss, old_approx_kl=(-logratio).mean(),
-                       approx_kl=((ratio - 1) - logratio).mean(), clipfrac=(ratio > is_clip).float().mean())
+        metrics = torch.stack([pg_loss, v_loss, entropy_loss, (-logratio).mean(), ((ratio - 1) - logratio).mean(),
+                               (ratio > is_clip).float().mean()])
     return loss, metrics
 
 
@@ -78,36 +73,26 @@ def decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprob
                         clip_coef=clip_coef, clip_vloss=clip_vloss, norm_adv=False, ent_coef=ent_coef, vf_coef=vf_coef)
 
 
-def effective_sample_size(logw):
-    """(sum w)^2 / (n sum w^2) of the importance weights w = exp(logw): 1 on-policy, 1/n at worst."""
-    w = (logw - logw.max()).exp()
-    return w.sum() ** 2 / (w.numel() * (w**2).sum())
+MINIBATCH_KEYS = ("obs", "actions", "logprobs", "proximal_logprobs", "advantages", "returns", "values")
 
 
-MINIBATCH_KEYS = ("obs", "actions", "logprobs", "proximal_logprobs", "advantages", "returns", "values")  # `make_loss`'s
-
-
-def make_loss(args: Args):
+def corrected_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values, *,
+                   correction: str, is_clip: float, **coefs):
     """`--correction`'s loss of a minibatch given in MINIBATCH_KEYS order (its stored log-probs are the behaviour
-    policy's), for `ppo.make_learn`."""
-    def loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns, values, **coefs):
-        if args.correction == "decoupled":
-            return decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns,
-                                      values, is_clip=args.is_clip, **coefs)
-        if args.correction == "truncated_is":
-            return truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values,
-                                     is_clip=args.is_clip, **coefs)
-        # naive PPO on stale data: the behaviour policy taken as the old policy
-        return ppo.ppo_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, **coefs)
-
-    return loss
+    policy's); `coefs`: `ppo.ppo_loss`'s."""
+    if correction == "decoupled":
+        return decoupled_ppo_loss(agent, obs, actions, behaviour_logprobs, proximal_logprobs, advantages, returns,
+                                  values, is_clip=is_clip, **coefs)
+    if correction == "truncated_is":
+        return truncated_is_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values,
+                                 is_clip=is_clip, **coefs)
+    # naive PPO on stale data: the behaviour policy taken as the old policy
+    return ppo.ppo_loss(agent, obs, actions, behaviour_logprobs, advantages, returns, values, **coefs)
 
 
-def make_logprob(agent):
-    def logprob(obs, actions):
-        return ppo.sample_and_logprob(agent, agent(obs)[0], actions)[1]
-
-    return logprob
+def logprob(agent, obs, actions):
+    """The log-probability of `actions` under the agent's weights now: the proximal policy's."""
+    return ppo.sample_and_logprob(agent, agent(obs)[0], actions)[1]
 
 
 def processes(args: Args) -> int:
@@ -138,18 +123,26 @@ def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None
     leanrl.set_threads(args.threads, ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta"),
                        processes=processes(args), quiet=True)  # before the init, as in ppo.train
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
-    act, get_value = ppo.make_acting(agent, envs, args, leanrl.wrap_flags(args, device))
+    accel = leanrl.Acceleration.of(args, device)
+    # ---- how a step runs, as in ppo.train but never one scan: new weights come in between two steps ----
+    get_value = accel(agent.get_value, name="get_value")
+    if envs.on_device:  # a step (policy, env, critic) one compiled call, one CUDA graph
+        step = accel(partial(ppo.act, partial(ppo.policy, agent), agent.get_value, args, envs.step), name="act")
+    else:  # a host env steps eagerly between the compiled policy and critic
+        step = partial(ppo.act, accel(partial(ppo.policy, agent), name="policy"), get_value, args, envs.step)
+    # ----
     storage = ppo.make_storage(envs, args, device)
     next_obs, versions = envs.reset(seed=seed), []
 
-    def tagged_act(obs, *noise):
+    def tagged_step(obs, noise):
         versions.append(ctx.step_boundary())
-        return act(obs, *noise)
+        return step(obs, noise)
 
     try:
         for batch in ctx.batches(from_module(agent).data, batch_template(storage, envs.statistics())):
             versions.clear()
-            next_values, terminated = ppo.rollout(tagged_act, get_value, envs, next_obs, storage, args)
+            ppo.rollout(tagged_step, envs, next_obs, storage, args)
+            next_values, terminated = ppo.bootstrap(get_value, next_obs, storage, args)
             rollout = batch["rollout"]
             rollout.update_(storage)
             rollout["next_values"].copy_(next_values)
@@ -168,11 +161,8 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     its own weights. With `--transport distributed`, every torchrun rank calls this; collector ranks return None.
     Logging, checkpoints and resume as `ppo.train`: collectors start new episodes, their envs' statistics (each
     collector keeps its own) from those of the newest batch the trainer consumed."""
-    device = device or leanrl.resolve_device(args.device)
+    device = torch.device(device or leanrl.resolve_device(args.device))
     batch_size, _, num_iterations = check_args(args)
-    evaluating = args.eval_every > 0 or args.capture_video
-    if evaluating and make_eval_envs is None:
-        raise leanrl.UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
     if args.transport == "distributed":
@@ -185,7 +175,8 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             return None
     state = {}
     if args.resume:  # before the collectors start, from its envs' statistics (None in a checkpoint made before)
-        state = leanrl.load_checkpoint(args.resume, args, may_change=() if args.anneal_lr else ("total_timesteps",))
+        anneals = args.anneal_lr or args.anneal_clip  # without, a resumed run may go on longer
+        state = leanrl.load_checkpoint(args.resume, args, may_change=() if anneals else ("total_timesteps",))
         leanrl.restore_rng(state)
     resumed_statistics = state.get("statistics")
     if args.transport == "distributed":
@@ -197,11 +188,24 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     leanrl.set_threads(args.threads, agent_inference, processes=processes(args))  # before the init, as in ppo.train
     agent = ppo.make_agent(spec.single_observation_space, spec.single_action_space, device)
     from_module(agent).data.to_module(agent_inference)
-    wrap = leanrl.wrap_flags(args, device)
-    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)
-    gae_fn = ppo.make_gae(args, wrap)
-    learn = ppo.make_learn(agent, optimizer, args, wrap, make_loss(args), MINIBATCH_KEYS)
-    logprob = leanrl.accelerate(make_logprob(agent_inference), name="logprob", **wrap)
+    agent_inference.requires_grad_(False)  # to_module made its slots Parameters again
+    accel = leanrl.Acceleration.of(args, device)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **accel.flags)
+    clip_coef = torch.tensor(args.clip_coef, device=device)  # annealed in place, where captured graphs read it
+    loss = partial(corrected_loss, correction=args.correction, is_clip=args.is_clip, clip_coef=clip_coef,
+                   clip_vloss=args.clip_vloss, norm_adv=args.norm_adv, ent_coef=args.ent_coef, vf_coef=args.vf_coef)
+
+    # ---- how each phase runs, as in ppo.train (the rollouts are the collectors') ----
+    gae_fn = accel.replace(compile=accel.compile and args.num_steps <= ppo.MAX_COMPILED_GAE_STEPS).eager_on_cpu(
+        "GAE", "its loop, unrolled, compiles for longer than a whole short run saves")(ppo.gae, name="gae")
+    if accel.cpu_compile and isinstance(agent, ppo.MLPAgent):  # every epoch's updates one compiled scan
+        learn = partial(ppo.scanned_epochs, leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm,
+                                                                       accel), MINIBATCH_KEYS)
+    else:
+        learn = partial(ppo.update_epochs, accel(partial(ppo.update, agent, optimizer, loss, args.max_grad_norm),
+                                                 name="update"), MINIBATCH_KEYS)
+    proximal_logprob = accel(partial(logprob, agent_inference), name="logprob")
+    # ----
     storage = ppo.make_storage(spec, args, device)
 
     iteration = 0
@@ -215,11 +219,10 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), global_step=iteration * batch_size,
                     iteration=iteration, statistics=statistics.to_dict())
 
-    if evaluating:
-        eval_envs = make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
-        # Collector threads draw from torch's generators meanwhile: the evaluation cannot set them aside.
-        evaluate = ppo.make_evaluation(agent_inference, eval_envs, args, lambda: statistics,
-                                       own_draws=args.transport != "threads")
+    eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
+    # Collector threads draw from torch's generators meanwhile: the evaluation cannot set them aside.
+    evaluate = eval_envs and partial(ppo.evaluate_policy, agent_inference, eval_envs, seed=args.seed + 10_000,
+                                     own_draws=args.transport != "threads")
     collector_device = device if args.transport == "threads" else torch.device("cpu")
     trainer = leanrl.pipeline.start(args.transport, args.num_collectors, collector,
                                     (args, make_envs, collector_device, resumed_statistics),
@@ -228,8 +231,11 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
                                      checkpoint=ckpt_path)
     with trainer, logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
+            frac = 1.0 - iteration / num_iterations
             if args.anneal_lr:
-                optimizer.param_groups[0]["lr"].fill_((1.0 - iteration / num_iterations) * args.learning_rate)
+                optimizer.param_groups[0]["lr"].fill_(frac * args.learning_rate)
+            if args.anneal_clip:
+                clip_coef.fill_(frac * args.clip_coef)
             batch = trainer.next_batch()  # valid until the publish below
             rollout = batch["rollout"]
             storage.update_(rollout.select(*storage.keys()))
@@ -239,12 +245,12 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
                                          storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
             b = ppo.flat_batch(storage, advantages, returns)
             with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
-                b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
-            out = learn(b)
+                b["proximal_logprobs"] = proximal_logprob(b["obs"], b["actions"])
+            update_metrics, grad_norm = learn(b, ppo.minibatches(args, batch_size, device))
             trainer.publish()
-            metrics = dict(zip(ppo.UPDATE_METRICS, (*out, ppo.explained_variance(b))))
+            metrics = dict(zip(ppo.UPDATE_METRICS, (*update_metrics.unbind(), grad_norm, ppo.explained_variance(b))))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
-            metrics["async/ess"] = effective_sample_size(b["proximal_logprobs"] - b["logprobs"])
+            metrics["async/ess"] = leanrl.effective_sample_size(b["proximal_logprobs"] - b["logprobs"])
             metrics.update(trainer.stats.summary())
             logger.record(metrics)
             logger.record_episodes(storage["episode_return"], storage["episode_length"])
@@ -252,15 +258,15 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             logger.end_iteration(iteration * batch_size)
             if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,
                                                     args.eval_every) and iteration < num_iterations:
-                logger.record({"charts/eval_return": evaluate()})
+                logger.record({"charts/eval_return": evaluate(statistics)})
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
                 on_iteration(iteration, iteration * batch_size)
-        if evaluating:  # the trained policy, also when a finished run is resumed only to evaluate or film it
-            logger.record({"charts/eval_return": evaluate()})
+        if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": evaluate(statistics)})
             logger.flush()
             eval_envs.close()
         leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)

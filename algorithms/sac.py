@@ -1,23 +1,21 @@
 """SAC (Haarnoja et al., 2018) with automatic entropy tuning and CleanRL's implementation details.
 
-Read top to bottom: arguments, networks, the tanh-Gaussian policy written out (no torch.distributions, so no
-validation check or host sync hides in it), the twin critic (both Q networks in ONE stacked parameter
-TensorDict, evaluated with one `torch.vmap` call), the target, the three functions `leanrl.accelerate`
-compiles and CUDA-graphs (`policy`, `update_critic`, `update_actor` with the temperature step), the learner
-that builds them once, and `train`: CleanRL's loop (`policy_frequency` actor updates every `policy_frequency`
-critic updates). The file imports only leanrl, torch and tensordict. From
-leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints, `evaluate`) and `leanrl.offpolicy`
-(argument checks, torchrl's replay buffer and its checkpoint). Environments are passed in: a vector env whose
-step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
+Read top to bottom: the arguments, the networks, the tanh-Gaussian policy written out (no torch.distributions, so no
+validation check or host sync hides in it), the losses and their gradient steps as plain functions, `learn` (what
+an env step does for learning, one call: store the transition, sample a batch, the critic's step and the target's,
+the delayed actor's and temperature's), then `train`: CleanRL's loop, after one block that decides how each phase
+runs.
 
-Bootstrapping: a transition stores the true next observation (the env's `final_obs`) and `terminated` apart
-from `truncated`; the target cuts the bootstrap only on termination, so a time limit bootstraps.
+Copy-paste contract (kept true by tests/test_copy_paste.py): this file imports only torch, tensordict and leanrl.
+`envs` is a `leanrl.VectorEnv` (leanrl/env.py). A transition stores the true next observation (the env's
+`final_obs`) and `terminated` apart from `truncated`: the target cuts the bootstrap only on termination.
 """
 
-import functools
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -26,8 +24,8 @@ from tensordict import from_module, from_modules
 from torch.func import functional_call
 
 import leanrl
-from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, make_replay_buffer,
-                              make_twin_q, open_eval_envs, start, store)
+from leanrl.critics import check_box_spaces, twin_q
+from leanrl.replay import burn_in, check_replay_args
 
 
 @dataclass
@@ -77,8 +75,8 @@ class Args(leanrl.RunArgs):
 
 
 def check_args(args: Args) -> int:
-    """Fail on settings that cannot work, before any environment is built or anything compiled.
-    Returns the number of iterations (vector env steps)."""
+    """Fail on settings that cannot work, before any environment is built or anything compiled. Returns the number
+    of iterations (vector env steps)."""
     num_iterations = check_replay_args(args, learning_rates=("policy_lr", "q_lr"))
     if args.policy_frequency < 1:
         raise leanrl.UsageError(f"policy_frequency = {args.policy_frequency} must be at least 1")
@@ -144,151 +142,38 @@ def deterministic_action(actor, obs):
     return torch.tanh(mean) * actor.action_scale + actor.action_bias
 
 
-# ------------------------------------------------------------------------------------------- the target
-def sac_target(next_q, next_log_pi, rewards, terminated, alpha, gamma: float):
-    """Soft clipped double-Q target: next_q (2, batch) from the target critics at a fresh next action, minus the
-    entropy term alpha * log pi; no bootstrap past a termination."""
-    return rewards + gamma * (~terminated).float() * (next_q.min(0).values - alpha * next_log_pi)
-
-
-# ----------------------------------------------------------------------------------- the three functions
-def make_policy(actor_inference):
-    def policy(obs):
-        return sample_action(actor_inference, obs)[0]
-
-    return policy
-
-
-CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values")
-ACTOR_METRICS = ("losses/actor_loss", "losses/alpha_loss", "losses/alpha")
-
-
-def make_critic_loss(actor, twin_q, q_target, log_alpha, args: Args):
-    """`critic_loss(q_params, obs, actions, rewards, next_obs, terminated) -> (loss, CRITIC_METRICS)`."""
-
-    def critic_loss(q_params, obs, actions, rewards, next_obs, terminated):
-        alpha = log_alpha.detach().exp()
-        with torch.no_grad():
-            next_actions, next_log_pi = sample_action(actor, next_obs)
-            target = sac_target(twin_q(q_target, next_obs, next_actions), next_log_pi, rewards, terminated, alpha,
-                                args.gamma)
-        q = twin_q(q_params, obs, actions)  # (2, batch)
-        qf_losses = ((q - target) ** 2).mean(-1)
-        loss = qf_losses.sum()
-        q = q.detach().mean(-1)
-        return loss, torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
-
-    return critic_loss
-
-
-def make_update_critic(critic_step, q_online, q_target, tau: float):
-    """The critic's gradient step, then the target critic moves with ONE lerp_ in place (every step, as CleanRL)."""
-
-    def update_critic(obs, actions, rewards, next_obs, terminated):
-        metrics = critic_step(obs, actions, rewards, next_obs, terminated)
-        q_target.lerp_(q_online, tau)  # target <- (1 - tau) target + tau online, at the same addresses
-        return metrics
-
-    return update_critic
-
-
-def make_actor_loss(actor, twin_q, q_online, log_alpha):
-    """`actor_loss(actor_params, obs) -> (loss, loss)`: the actor against the smaller of the two critics."""
-
-    def actor_loss(actor_params, obs):
-        alpha = log_alpha.detach().exp()
-        pi, log_pi = sample_action(actor, obs, actor_params)
-        min_q = twin_q(q_online, obs, pi).min(0).values
-        loss = (alpha * log_pi - min_q).mean()
-        return loss, loss.detach()
-
-    return actor_loss
-
-
-def make_alpha_loss(actor, target_entropy: float):
-    """`alpha_loss({"log_alpha": log_alpha}, obs) -> (loss, loss)`: the temperature step of autotune, at a fresh
-    action of the actor just updated."""
-
-    def alpha_loss(alpha_params, obs):
-        with torch.no_grad():
-            _, log_pi = sample_action(actor, obs)
-        loss = (-alpha_params["log_alpha"].exp() * (log_pi + target_entropy)).mean()
-        return loss, loss.detach()
-
-    return alpha_loss
-
-
-def make_update_actor(actor_step, alpha_step, log_alpha):
-    """The actor's gradient step; with autotune, then the temperature's (`alpha_step`, else False)."""
-
-    def update_actor(obs):
-        actor_loss = actor_step(obs)
-        alpha_loss = alpha_step(obs) if alpha_step else torch.zeros_like(actor_loss)
-        return torch.stack([actor_loss, alpha_loss, log_alpha.detach().exp()])
-
-    return update_actor
-
-
-# ------------------------------------------------------------------------------------------- training
 class SAC:
-    """Actor, twin critic, target critic, temperature, optimizers and the accelerated functions, built once."""
+    """The actor, the twin critic (both networks' weights stacked in one TensorDict), its target, the temperature
+    (learned with autotune, else a constant) and the optimizers. `actor_inference` is a weightless copy that reads
+    the actor's weights: an alias without autograd history."""
 
-    def __init__(self, args: Args, envs, device):
-        obs_space, act_space = envs.single_observation_space, envs.single_action_space
-        check_box_spaces("SAC", obs_space, act_space)
-        self.obs_dim, self.action_dim, H = obs_space.shape[0], act_space.shape[0], args.hidden_dim
+    def __init__(self, obs_space, act_space, args: Args, device):
+        obs_dim, action_dim, H = obs_space.shape[0], act_space.shape[0], args.hidden_dim
         self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
         self.high = torch.as_tensor(act_space.high, dtype=torch.float32, device=device)
-
-        self.actor = Actor(self.obs_dim, act_space, H, device)
-        # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
-        self.actor_inference = Actor(self.obs_dim, act_space, H, "meta")
+        self.actor = Actor(obs_dim, act_space, H, device)
+        self.actor_inference = Actor(obs_dim, act_space, H, "meta")
         from_module(self.actor).data.to_module(self.actor_inference)
-        # Twin critic: the weights of both networks stacked in one TensorDict (leading dim 2).
-        self.q_params = from_modules(*(SoftQNetwork(self.obs_dim, self.action_dim, H, device) for _ in range(2)),
+        self.actor_inference.requires_grad_(False)  # to_module made its slots Parameters again
+        self.q_params = from_modules(*(SoftQNetwork(obs_dim, action_dim, H, device) for _ in range(2)),
                                      as_module=True)
+        self.qnet = SoftQNetwork(obs_dim, action_dim, H, "meta")
         self.q_online = self.q_params.data  # the same storage, without autograd
         self.q_target = self.q_online.clone()
-
-        wrap = leanrl.wrap_flags(args, device)
-        # On a CPU, --compile makes each gradient step ONE compiled graph (`leanrl.gradient_step`); the policy, one
-        # observation at a time, stays eager there.
-        one_graph = leanrl.compiling_on_cpu(wrap)
-        policy_wrap = leanrl.wrap_flags(args, device, eager_on_cpu="SAC's policy: compiled, it measured 0.93x eager "
-                                        "at batch 1 on a 2-core CPU")
-        _, self.twin_q = make_twin_q(SoftQNetwork(self.obs_dim, self.action_dim, H, "meta"), looped=one_graph)
-        # Temperature: log_alpha is learned (autotune) or a constant.
-        self.target_entropy = -float(self.action_dim)
+        # what the losses read, by name (the same storage): what a compiled graph reads fastest
+        self.q_online_named, self.q_target_named = (dict(td.flatten_keys(".").items())
+                                                    for td in (self.q_online, self.q_target))
+        self.target_entropy = -float(action_dim)
+        accel = leanrl.Acceleration.of(args, device)
         if args.autotune:
             self.log_alpha = torch.zeros((), device=device, requires_grad=True)
-            self.alpha_optimizer = leanrl.make_adam([self.log_alpha], args.q_lr, **wrap)
+            self.alpha_optimizer = leanrl.make_adam([self.log_alpha], args.q_lr, **accel.flags)
         else:
             self.log_alpha = torch.tensor(math.log(args.alpha) if args.alpha > 0 else -math.inf, device=device)
             self.alpha_optimizer = None
-        q_named, actor_named = dict(self.q_params.named_parameters()), dict(self.actor.named_parameters())
-        self.q_optimizer = leanrl.make_adam(list(q_named.values()), args.q_lr, **wrap)
-        self.actor_optimizer = leanrl.make_adam(list(actor_named.values()), args.policy_lr, **wrap)
-
-        self.policy = leanrl.accelerate(make_policy(self.actor_inference), name="policy", **policy_wrap)
-        step = functools.partial(leanrl.gradient_step, one_graph=one_graph)
-        critic_step = step(make_critic_loss(self.actor, self.twin_q, self.q_target, self.log_alpha, args), q_named,
-                           self.q_optimizer, name="critic_step")
-        actor_step = step(make_actor_loss(self.actor, self.twin_q, self.q_online, self.log_alpha), actor_named,
-                          self.actor_optimizer, name="actor_step")
-        alpha_step = args.autotune and step(make_alpha_loss(self.actor, self.target_entropy),
-                                            {"log_alpha": self.log_alpha}, self.alpha_optimizer, name="alpha_step")
-        wrap["compile"] &= not one_graph  # one graph per step is compiled already
-        self.update_critic = leanrl.accelerate(make_update_critic(critic_step, self.q_online, self.q_target, args.tau),
-                                               name="update_critic", **wrap)
-        self.update_actor = leanrl.accelerate(make_update_actor(actor_step, alpha_step, self.log_alpha),
-                                              name="update_actor", **wrap)
-
-    def random_actions(self, n: int):
-        """Uniform in the action bounds, drawn with torch on the run's device."""
-        return self.low + (self.high - self.low) * torch.rand(n, self.action_dim, device=self.low.device)
-
-    def eval_policy(self, obs):
-        return deterministic_action(self.actor_inference, obs)
+        self.q_named, self.actor_named = dict(self.q_params.named_parameters()), dict(self.actor.named_parameters())
+        self.q_optimizer = leanrl.make_adam(list(self.q_named.values()), args.q_lr, **accel.flags)
+        self.actor_optimizer = leanrl.make_adam(list(self.actor_named.values()), args.policy_lr, **accel.flags)
 
     def state_dict(self):
         return dict(actor=self.actor.state_dict(), q_params=self.q_online.to_dict(), q_target=self.q_target.to_dict(),
@@ -296,8 +181,7 @@ class SAC:
                     actor_optimizer=self.actor_optimizer.state_dict(),
                     alpha_optimizer=self.alpha_optimizer.state_dict() if self.alpha_optimizer else None)
 
-    def load_state_dict(self, state):
-        # In place, so every address a captured graph holds stays valid.
+    def load_state_dict(self, state):  # in place, so every address a captured graph holds stays valid
         self.actor.load_state_dict(state["actor"])
         self.q_online.update_(state["q_params"])
         self.q_target.update_(state["q_target"])
@@ -309,68 +193,177 @@ class SAC:
             leanrl.load_optimizer_state(self.alpha_optimizer, state["alpha_optimizer"])
 
 
-def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None):
-    """Run SAC to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
-    `leanrl.offpolicy.Run` (learner, buffer, counters). `make_eval_envs(video_folder=...)` builds the
-    `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first one records its episodes, with
-    --capture-video; else None). `on_iteration(iteration, global_step)`, when given, is called after every iteration
-    (the benchmarks time the loop with it)."""
+# ------------------------------------------------------------------------------ acting and learning
+def random_actions(sac: SAC, n: int):
+    """Uniform in the action bounds (before learning starts), drawn with torch on the run's device."""
+    return sac.low + (sac.high - sac.low) * torch.rand(n, sac.low.shape[0], device=sac.low.device)
+
+
+CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values")
+ACTOR_METRICS = ("losses/actor_loss", "losses/alpha_loss", "losses/alpha")
+
+
+def critic_loss(sac: SAC, gamma: float, looped: bool, q_params, data):
+    """The soft clipped double-Q target (the target critics at a fresh next action, minus the entropy term alpha *
+    log pi): the loss of both critics and CRITIC_METRICS. `looped`: as `leanrl.critics.twin_q`."""
+    alpha = sac.log_alpha.detach().exp()
+    with torch.no_grad():
+        next_actions, next_log_pi = sample_action(sac.actor, data["next_obs"])
+        next_q = twin_q(sac.qnet, sac.q_target_named, data["next_obs"], next_actions, looped).min(0).values
+        target = data["reward"] + gamma * (~data["terminated"]).float() * (next_q - alpha * next_log_pi)
+    q = twin_q(sac.qnet, q_params, data["obs"], data["action"], looped)  # (2, batch)
+    qf_losses = ((q - target) ** 2).mean(-1)
+    loss = qf_losses.sum()
+    q = q.detach().mean(-1)
+    return loss, torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+
+
+def actor_loss(sac: SAC, looped: bool, actor_params, data):
+    """The actor against the smaller of the two critics."""
+    alpha = sac.log_alpha.detach().exp()
+    pi, log_pi = sample_action(sac.actor, data["obs"], actor_params)
+    min_q = twin_q(sac.qnet, sac.q_online_named, data["obs"], pi, looped).min(0).values
+    loss = (alpha * log_pi - min_q).mean()
+    return loss, loss.detach()
+
+
+def alpha_loss(sac: SAC, alpha_params, data):
+    """The temperature's step of autotune, at a fresh action of the actor just updated."""
+    with torch.no_grad():
+        _, log_pi = sample_action(sac.actor, data["obs"])
+    loss = (-alpha_params["log_alpha"].exp() * (log_pi + sac.target_entropy)).mean()
+    return loss, loss.detach()
+
+
+def gradient_step(loss_fn, params: dict, optimizer, data):
+    """`loss_fn(params, data)`'s step: zero_grad, backward, step."""
+    loss, metrics = loss_fn(params, data)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return metrics
+
+
+def learn(sac: SAC, replay, logger, steps, args: Args, obs, action, out, *, update: bool, delayed: bool):
+    """What an env step does for learning, in one call: store its transitions (next_obs: the true next observation,
+    `final_obs`), count the episodes that ended, and, once learning has started (`update`), sample a batch for the
+    critic's step, after which the target critic moves (one lerp in place: target <- (1 - tau) target + tau
+    online); every policy_frequency steps (`delayed`) also policy_frequency actor and temperature steps, compensating
+    for the delay as CleanRL. `steps`: the critic's, actor's and temperature's gradient steps (None: no autotune).
+    Returns their metrics."""
+    replay.extend(dict(obs=obs, action=action, reward=out["reward"], next_obs=out["final_obs"],
+                       terminated=out["terminated"]))
+    logger.record_episodes(out["episode_return"], out["episode_length"])
+    if not update:
+        return ()
+    critic_step, actor_step, alpha_step = steps
+    data = replay.sample()
+    critic = critic_step(data)
+    torch._foreach_lerp_(list(sac.q_target_named.values()), list(sac.q_online_named.values()), args.tau)
+    if not delayed:
+        return (critic,)
+    for _ in range(args.policy_frequency):
+        actor = actor_step(data)
+        alpha = alpha_step(data) if alpha_step else torch.zeros_like(actor)
+    return critic, torch.stack([actor, alpha, sac.log_alpha.detach().exp()])
+
+
+# ------------------------------------------------------------------------------------------- training
+def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
+    """Run SAC to `args.total_timesteps`, from a checkpoint when `args.resume` names one; arguments and result as
+    `td3.train`'s."""
     num_iterations = check_args(args)
-    check_envs("SAC", args, envs, make_eval_envs)
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    check_box_spaces("SAC", obs_space, act_space)
+    # No schedule depends on the horizon: a resumed run may go on longer.
+    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("learning_starts", "total_timesteps"))
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    sac = SAC(args, envs, device)
+    run_dir = leanrl.make_run_dir(args, args.env_id)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    sac = SAC(obs_space, act_space, args, device)
     leanrl.set_threads(args.threads, sac.actor, sac.q_params)  # before the first compiled call
-    # No schedule depends on the horizon: a resumed run may go on longer.
-    run, ckpt_path = start(sac, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs,
-                           may_change=("learning_starts", "total_timesteps"))
-    eval_envs = open_eval_envs(args, make_eval_envs, os.path.dirname(ckpt_path))
+    replay = leanrl.Replay(args.buffer_size, args.batch_size, dict(
+        obs=(obs_space.shape, torch.float32), action=(act_space.shape, torch.float32), reward=((), torch.float32),
+        next_obs=(obs_space.shape, torch.float32), terminated=((), torch.bool)), device)
+    global_step = iteration = fill_start = 0
+    if resumed:
+        leanrl.restore_rng(resumed)
+        sac.load_state_dict(resumed)
+        global_step, iteration = resumed["global_step"], resumed["iteration"]
+        obs = leanrl.restore_envs(envs, resumed["envs"], resumed["obs"], seed=args.seed + global_step)
+        if resumed["replay_buffer"] is not None:
+            replay.load_state_dict(resumed["replay_buffer"])
+            fill_start = resumed["fill_start"]
+        else:  # a resumed run without its buffer updates again once learning_starts new transitions are stored
+            print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
+                  "with the restored policy and updates again once learning_starts new transitions are stored.")
+            fill_start = global_step
+    else:
+        obs = envs.reset(seed=args.seed)
+    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=global_step, checkpoint=ckpt_path,
+                                     device=device, burn_in=burn_in(args, global_step, fill_start,
+                                                                    (leanrl.WARMUP + 1) * args.policy_frequency + 1))
 
-    def evaluate():  # from the same start states every time
-        return leanrl.evaluate(sac.eval_policy, eval_envs, args.seed + 10_000)
+    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
+    accel = leanrl.Acceleration.of(args, device)
+    policy = accel.eager_on_cpu("SAC's policy", "one observation at a time, compiling costs more than it saves")(
+        lambda obs: sample_action(sac.actor_inference, obs)[0], name="policy")
+    looped = accel.cpu_compile  # (see leanrl.critics.twin_q)
+    losses = [(partial(critic_loss, sac, args.gamma, looped), sac.q_named, sac.q_optimizer),
+              (partial(actor_loss, sac, looped), sac.actor_named, sac.actor_optimizer)]
+    if args.autotune:
+        losses.append((partial(alpha_loss, sac), {"log_alpha": sac.log_alpha}, sac.alpha_optimizer))
+    if accel.cpu_compile:  # a CPU has no graphs: the learner's step one compiled graph, its gradient steps functions
+        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=dict(fullgraph=True))
+    else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
+        steps, graph = [partial(gradient_step, loss, params, optimizer) for loss, params, optimizer in losses], {}
+    step = partial(learn, sac, replay, logger, (*steps, None)[:3], args)
+    fill, learn_critic, learn_all = (accel(partial(step, update=update, delayed=delayed), name=name, **graph)
+                                     for name, update, delayed in (("fill", False, False), ("learn_critic", True, False),
+                                                                   ("learn", True, True)))
+    # ----
 
-    # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
-    logger = leanrl.Logger.from_args(args, os.path.dirname(ckpt_path), args.total_timesteps,
-                                     start_step=run.global_step, checkpoint=ckpt_path,
-                                     burn_in=burn_in(args, run, (leanrl.WARMUP + 1) * args.policy_frequency + 1))
+    def checkpoint_state():
+        return dict(sac.state_dict(), envs=envs.state_dict(), obs=obs, global_step=global_step, iteration=iteration,
+                    fill_start=fill_start, replay_buffer=replay.state_dict() if args.save_buffer else None)
+
+    def evaluate():  # the squashed mean, from the same start states every time
+        return leanrl.evaluate(partial(deterministic_action, sac.actor_inference), eval_envs, args.seed + 10_000)
+
+    eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
     critic_out = actor_out = None  # the last update outputs, read at log boundaries
-    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer), args):
-        for iteration in range(run.iteration + 1, num_iterations + 1):
+    with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
+        while iteration < num_iterations:
             with torch.no_grad():
-                action = (sac.random_actions(args.num_envs) if run.global_step < args.learning_starts
-                          else sac.policy(run.obs))
+                action = random_actions(sac, args.num_envs) if global_step < args.learning_starts else policy(obs)
             out = envs.step(action)
-            store(run.rb, run.obs, action, out, out["final_obs"])  # final_obs: bootstrap through a time limit
-            run.obs = out["next_obs"]
-            before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
+            iteration, before, global_step = iteration + 1, global_step, global_step + args.num_envs
+            if global_step - fill_start <= args.learning_starts:
+                fill(obs, action, out)
+            elif iteration % args.policy_frequency:
+                (critic_out,) = learn_critic(obs, action, out)
+            else:
+                critic_out, actor_out = learn_all(obs, action, out)
+            obs = out["next_obs"]
 
-            if run.global_step - run.fill_start > args.learning_starts:
-                run.updates += 1
-                data = run.rb.sample()
-                critic_out = sac.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
-                                               data["terminated"])
-                if iteration % args.policy_frequency == 0:
-                    for _ in range(args.policy_frequency):  # compensate for the delay, as CleanRL
-                        actor_out = sac.update_actor(data["obs"])
-
-            if (args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every)
-                    and iteration < num_iterations):
+            if args.eval_every and leanrl.crossings(before, global_step, args.eval_every) and \
+                    iteration < num_iterations:
                 logger.record({"charts/eval_return": evaluate()})
-            logger.record_episodes(out["episode_return"], out["episode_length"])
-            logger.end_iteration(run.global_step)
+            logger.end_iteration(global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 for names, values in ((CRITIC_METRICS, critic_out), (ACTOR_METRICS, actor_out)):
                     if values is not None:
                         logger.record(dict(zip(names, values.unbind())))
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
+                leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
-                on_iteration(iteration, run.global_step)
-        if eval_envs is not None:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+                on_iteration(iteration, global_step)
+        if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
             logger.record({"charts/eval_return": evaluate()})
             logger.flush()
             eval_envs.close()
-        leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
-        run.logged = logger.last
-    return run
+        leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
+    return SimpleNamespace(learner=sac, replay=replay, global_step=global_step, iteration=iteration,
+                           fill_start=fill_start, logged=logger.last, run_dir=run_dir)

@@ -1,21 +1,19 @@
 """TD3 (Fujimoto et al., 2018) with CleanRL's implementation details.
 
-Read top to bottom: arguments, networks, the twin critic (both Q networks in ONE stacked parameter
-TensorDict, evaluated with one `torch.vmap` call; two calls in a CPU's one-graph steps), the targets, the
-losses, the three functions `leanrl.accelerate` compiles and CUDA-graphs (`policy`, `update_critic`,
-`update_actor`: the losses' gradient steps), the learner that builds them once, and `train`: CleanRL's loop,
-with the policy delay. The file imports only leanrl, torch and tensordict. From
-leanrl it uses its tools (`accelerate`, `make_adam`, `Logger`, checkpoints, `evaluate`) and `leanrl.offpolicy`
-(argument checks, torchrl's replay buffer and its checkpoint). Environments are passed in: a vector env whose
-step returns a TensorDict (`leanrl.envs`), or a gymnasium vector env through `leanrl.TorchVectorEnv`.
+Read top to bottom: the arguments, the networks, the losses and their gradient steps as plain functions, `learn`
+(what an env step does for learning, one call: store the transition, sample a batch, the critic's step, the delayed
+actor's and targets'), then `train`: CleanRL's loop, after one block that decides how each phase runs.
 
-Bootstrapping: a transition stores the true next observation (the env's `final_obs`, which differs from
-`next_obs` only where an episode ended and was auto-reset) and `terminated` apart from `truncated`.
-The target cuts the bootstrap only on termination; a time-limit truncation bootstraps from `final_obs`.
+Copy-paste contract (kept true by tests/test_copy_paste.py): this file imports only torch, tensordict and leanrl.
+`envs` is a `leanrl.VectorEnv` (leanrl/env.py). A transition stores the true next observation (the env's
+`final_obs`, which differs from `next_obs` only where an episode ended) and `terminated` apart from `truncated`:
+the target cuts the bootstrap only on termination, so a time limit bootstraps.
 """
 
 import os
 from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -24,8 +22,8 @@ from tensordict import TensorDict, from_module, from_modules
 from torch.func import functional_call
 
 import leanrl
-from leanrl.offpolicy import (burn_in, check_box_spaces, check_envs, check_replay_args, make_replay_buffer,
-                              make_twin_q, open_eval_envs, start, store)
+from leanrl.critics import check_box_spaces, q_value, twin_q
+from leanrl.replay import burn_in, check_replay_args
 
 
 @dataclass
@@ -74,8 +72,8 @@ class Args(leanrl.RunArgs):
 
 
 def check_args(args: Args) -> int:
-    """Fail on settings that cannot work, before any environment is built or anything compiled.
-    Returns the number of iterations (vector env steps)."""
+    """Fail on settings that cannot work, before any environment is built or anything compiled. Returns the number
+    of iterations (vector env steps)."""
     num_iterations = check_replay_args(args)
     if args.policy_frequency < 1:
         raise leanrl.UsageError(f"policy_frequency = {args.policy_frequency} must be at least 1")
@@ -113,133 +111,40 @@ class Actor(nn.Module):
         return self.fc_mu(x).tanh() * self.action_scale + self.action_bias
 
 
-# ------------------------------------------------------------------------------------------- the targets
-def smoothed_target_actions(target_actions, noise, *, policy_noise, noise_clip, action_scale, low, high):
-    """Target policy smoothing: clipped Gaussian noise (`noise` ~ N(0, 1)) on the target actor's actions."""
-    clipped = (noise * policy_noise).clamp(-noise_clip, noise_clip) * action_scale
-    return (target_actions + clipped).clamp(low, high)
-
-
-def td3_target(next_q, rewards, terminated, gamma: float):
-    """Clipped double-Q target: next_q (2, batch) from the two target critics; no bootstrap past a termination."""
-    return rewards + gamma * (~terminated).float() * next_q.min(0).values
-
-
-# ----------------------------------------------------------------------------------- the three functions
-def make_policy(actor_inference, exploration_noise: float, low, high):
-    def policy(obs):
-        action = actor_inference(obs)
-        noise = torch.randn_like(action) * actor_inference.action_scale * exploration_noise
-        return (action + noise).clamp(low, high)
-
-    return policy
-
-
-CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values")
-ACTOR_METRICS = ("losses/actor_loss",)
-
-
-def make_critic_loss(actor_target, twin_q, q_target, args: Args, low, high):
-    """`critic_loss(q_params, obs, actions, rewards, next_obs, terminated) -> (loss, CRITIC_METRICS)`."""
-
-    def critic_loss(q_params, obs, actions, rewards, next_obs, terminated):
-        with torch.no_grad():
-            next_actions = smoothed_target_actions(
-                actor_target(next_obs), torch.randn_like(actions), policy_noise=args.policy_noise,
-                noise_clip=args.noise_clip, action_scale=actor_target.action_scale, low=low, high=high)
-            target = td3_target(twin_q(q_target, next_obs, next_actions), rewards, terminated, args.gamma)
-        q = twin_q(q_params, obs, actions)  # (2, batch)
-        qf_losses = ((q - target) ** 2).mean(-1)
-        loss = qf_losses.sum()
-        q = q.detach().mean(-1)
-        return loss, torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
-
-    return critic_loss
-
-
-def make_actor_loss(actor, q_value, q1_params):
-    """`actor_loss(actor_params, obs) -> (loss, ACTOR_METRICS)`: the actor climbs the first critic."""
-
-    def actor_loss(actor_params, obs):
-        loss = -q_value(q1_params, obs, functional_call(actor, actor_params, (obs,))).mean()
-        return loss, loss.detach()[None]
-
-    return actor_loss
-
-
-def make_update_actor(actor_step, targets, online, tau: float):
-    """The delayed step: the actor's gradient step, then every target moves with ONE lerp_ in place."""
-
-    def update_actor(obs):
-        metrics = actor_step(obs)
-        targets.lerp_(online, tau)  # target <- (1 - tau) target + tau online, at the same addresses
-        return metrics
-
-    return update_actor
-
-
-# ------------------------------------------------------------------------------------------- training
 class TD3:
-    """Actor, twin critic, targets, optimizers and the accelerated functions, built once."""
+    """The actor, the twin critic (both networks' weights stacked in one TensorDict), their targets (one TensorDict,
+    moved by one foreach lerp) and the optimizers. `*_inference` and `actor_target` are weightless copies that read
+    them: aliases without autograd history."""
 
-    def __init__(self, args: Args, envs, device):
-        obs_space, act_space = envs.single_observation_space, envs.single_action_space
-        check_box_spaces("TD3", obs_space, act_space)
-        obs_dim, H = obs_space.shape[0], args.hidden_dim
-        self.obs_dim, self.action_dim = obs_dim, act_space.shape[0]
+    def __init__(self, obs_space, act_space, args: Args, device):
+        obs_dim, action_dim, H = obs_space.shape[0], act_space.shape[0], args.hidden_dim
         self.low = torch.as_tensor(act_space.low, dtype=torch.float32, device=device)
         self.high = torch.as_tensor(act_space.high, dtype=torch.float32, device=device)
-
         self.actor = Actor(obs_dim, act_space, H, device)
-        # The acting copy shares the learner's storage without its autograd history (a grad-free alias).
         self.actor_inference = Actor(obs_dim, act_space, H, "meta")
         from_module(self.actor).data.to_module(self.actor_inference)
-        # Twin critic: the weights of both networks stacked in one TensorDict (leading dim 2).
-        self.q_params = from_modules(*(QNetwork(obs_dim, self.action_dim, H, device) for _ in range(2)), as_module=True)
-        self.qnet = QNetwork(obs_dim, self.action_dim, H, "meta")
-        # Targets: one TensorDict holding copies of both, moved by one lerp_ (see make_update_actor).
+        self.actor_inference.requires_grad_(False)  # to_module made its slots Parameters again
+        self.q_params = from_modules(*(QNetwork(obs_dim, action_dim, H, device) for _ in range(2)), as_module=True)
+        self.qnet = QNetwork(obs_dim, action_dim, H, "meta")
         self.online = TensorDict(actor=from_module(self.actor).data, q=self.q_params.data)
         self.targets = self.online.clone()
         self.actor_target = Actor(obs_dim, act_space, H, "meta")
         self.targets["actor"].to_module(self.actor_target)
-
-        wrap = leanrl.wrap_flags(args, device)
-        # On a CPU, --compile makes each gradient step ONE compiled graph (`leanrl.gradient_step`); the policy, one
-        # observation at a time, stays eager there.
-        one_graph = leanrl.compiling_on_cpu(wrap)
-        policy_wrap = leanrl.wrap_flags(args, device, eager_on_cpu="TD3's policy: compiled, it measured 0.58x eager "
-                                        "at batch 1 on a 2-core CPU")
-        q_named, actor_named = dict(self.q_params.named_parameters()), dict(self.actor.named_parameters())
-        self.q_optimizer = leanrl.make_adam(list(q_named.values()), args.learning_rate, **wrap)
-        self.actor_optimizer = leanrl.make_adam(list(actor_named.values()), args.learning_rate, **wrap)
-        self.q_value, self.twin_q = make_twin_q(self.qnet, looped=one_graph)
-
-        self.policy = leanrl.accelerate(make_policy(self.actor_inference, args.exploration_noise, self.low, self.high),
-                                        name="policy", **policy_wrap)
-        critic_step = leanrl.gradient_step(
-            make_critic_loss(self.actor_target, self.twin_q, self.targets["q"], args, self.low, self.high), q_named,
-            self.q_optimizer, one_graph=one_graph, name="update_critic")
-        actor_step = leanrl.gradient_step(make_actor_loss(self.actor, self.q_value, self.q_params.data[0]),
-                                          actor_named, self.actor_optimizer, one_graph=one_graph, name="update_actor")
-        wrap["compile"] &= not one_graph  # one graph per step is compiled already
-        self.update_critic = leanrl.accelerate(critic_step, name="update_critic", **wrap)
-        self.update_actor = leanrl.accelerate(make_update_actor(actor_step, self.targets, self.online, args.tau),
-                                              name="update_actor", **wrap)
-
-    def random_actions(self, n: int):
-        """Uniform in the action bounds, drawn with torch on the run's device."""
-        return self.low + (self.high - self.low) * torch.rand(n, self.action_dim, device=self.low.device)
-
-    def eval_policy(self, obs):
-        return self.actor_inference(obs)
+        self.q_named, self.actor_named = dict(self.q_params.named_parameters()), dict(self.actor.named_parameters())
+        # what the losses read, by name (the same storage): what a compiled graph reads fastest
+        self.q_online, self.q_target = (dict(td.flatten_keys(".").items()) for td in (self.online["q"],
+                                                                                       self.targets["q"]))
+        self.target_tensors, self.online_tensors = (list(td.values(True, True)) for td in (self.targets, self.online))
+        accel = leanrl.Acceleration.of(args, device)
+        self.q_optimizer = leanrl.make_adam(list(self.q_named.values()), args.learning_rate, **accel.flags)
+        self.actor_optimizer = leanrl.make_adam(list(self.actor_named.values()), args.learning_rate, **accel.flags)
 
     def state_dict(self):
         return dict(actor=self.actor.state_dict(), q_params=self.q_params.data.to_dict(),
                     targets=self.targets.to_dict(), q_optimizer=self.q_optimizer.state_dict(),
                     actor_optimizer=self.actor_optimizer.state_dict())
 
-    def load_state_dict(self, state):
-        # In place, so every address a captured graph holds stays valid.
+    def load_state_dict(self, state):  # in place, so every address a captured graph holds stays valid
         self.actor.load_state_dict(state["actor"])
         self.q_params.data.update_(state["q_params"])
         self.targets.update_(state["targets"])
@@ -247,67 +152,170 @@ class TD3:
         leanrl.load_optimizer_state(self.actor_optimizer, state["actor_optimizer"])
 
 
-def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None):
-    """Run TD3 to `args.total_timesteps`, from a checkpoint when `args.resume` names one. Returns the
-    `leanrl.offpolicy.Run` (learner, buffer, counters). `make_eval_envs(video_folder=...)` builds the
-    `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first one records its episodes, with
-    --capture-video; else None). `on_iteration(iteration, global_step)`, when given, is called after every iteration
-    (the benchmarks time the loop with it)."""
+# ------------------------------------------------------------------------------ acting and learning
+def explore(td3: TD3, exploration_noise: float, obs):
+    """The behaviour policy: the actor's action with Gaussian noise (times the action scale), in the bounds."""
+    action = td3.actor_inference(obs)
+    noise = torch.randn_like(action) * td3.actor_inference.action_scale * exploration_noise
+    return (action + noise).clamp(td3.low, td3.high)
+
+
+def random_actions(td3: TD3, n: int):
+    """Uniform in the action bounds (before learning starts), drawn with torch on the run's device."""
+    return td3.low + (td3.high - td3.low) * torch.rand(n, td3.low.shape[0], device=td3.low.device)
+
+
+CRITIC_METRICS = ("losses/qf_loss", "losses/qf1_loss", "losses/qf2_loss", "losses/qf1_values", "losses/qf2_values")
+ACTOR_METRICS = ("losses/actor_loss",)
+
+
+def critic_loss(td3: TD3, args: Args, looped: bool, q_params, data):
+    """Clipped double-Q learning with target policy smoothing: the loss of both critics and CRITIC_METRICS.
+    `looped`: as `leanrl.critics.twin_q`."""
+    with torch.no_grad():
+        noise = (torch.randn_like(data["action"]) * args.policy_noise).clamp(-args.noise_clip, args.noise_clip)
+        next_actions = (td3.actor_target(data["next_obs"]) + noise * td3.actor_target.action_scale).clamp(
+            td3.low, td3.high)
+        next_q = twin_q(td3.qnet, td3.q_target, data["next_obs"], next_actions, looped).min(0).values
+        target = data["reward"] + args.gamma * (~data["terminated"]).float() * next_q
+    q = twin_q(td3.qnet, q_params, data["obs"], data["action"], looped)  # (2, batch)
+    qf_losses = ((q - target) ** 2).mean(-1)
+    loss = qf_losses.sum()
+    q = q.detach().mean(-1)
+    return loss, torch.stack([loss.detach(), qf_losses[0].detach(), qf_losses[1].detach(), q[0], q[1]])
+
+
+def actor_loss(td3: TD3, actor_params, data):
+    """The actor climbs the first critic: its loss and ACTOR_METRICS."""
+    actions = functional_call(td3.actor, actor_params, (data["obs"],))
+    loss = -q_value(td3.qnet, {name: p[0] for name, p in td3.q_online.items()}, data["obs"], actions).mean()
+    return loss, loss.detach()[None]
+
+
+def gradient_step(loss_fn, params: dict, optimizer, data):
+    """`loss_fn(params, data)`'s step: zero_grad, backward, step."""
+    loss, metrics = loss_fn(params, data)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return metrics
+
+
+def learn(td3: TD3, replay, logger, steps, tau: float, obs, action, out, *, update: bool, delayed: bool):
+    """What an env step does for learning, in one call: store its transitions (next_obs: the true next observation,
+    `final_obs`), count the episodes that ended, and, once learning has started (`update`), sample a batch for the
+    critic's step; every policy_frequency steps (`delayed`) also the actor's, and the targets move (one lerp in place:
+    target <- (1 - tau) target + tau online). `steps`: the critic's and the actor's gradient steps. Returns their
+    metrics."""
+    replay.extend(dict(obs=obs, action=action, reward=out["reward"], next_obs=out["final_obs"],
+                       terminated=out["terminated"]))
+    logger.record_episodes(out["episode_return"], out["episode_length"])
+    if not update:
+        return ()
+    critic_step, actor_step = steps
+    data = replay.sample()
+    critic = critic_step(data)
+    if not delayed:
+        return (critic,)
+    actor = actor_step(data)
+    torch._foreach_lerp_(td3.target_tensors, td3.online_tensors, tau)
+    return critic, actor
+
+
+# ------------------------------------------------------------------------------------------- training
+def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
+    """Run TD3 to `args.total_timesteps`, from a checkpoint when `args.resume` names one. `make_eval_envs(
+    video_folder=...)` builds the `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first
+    one records its episodes, with --capture-video; else None). `on_iteration(iteration, global_step)`, when given,
+    is called after every iteration (the benchmarks time the loop with it). Returns the learner, its replay buffer,
+    the counters and the last logged values."""
     num_iterations = check_args(args)
-    check_envs("TD3", args, envs, make_eval_envs)
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    check_box_spaces("TD3", obs_space, act_space)
+    # No schedule depends on the horizon: a resumed run may go on longer.
+    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("learning_starts", "total_timesteps"))
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    td3 = TD3(args, envs, device)
+    run_dir = leanrl.make_run_dir(args, args.env_id)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    td3 = TD3(obs_space, act_space, args, device)
     leanrl.set_threads(args.threads, td3.actor, td3.q_params)  # before the first compiled call
-    # No schedule depends on the horizon: a resumed run may go on longer.
-    run, ckpt_path = start(td3, make_replay_buffer(args.buffer_size, args.batch_size, device), args, envs,
-                           may_change=("learning_starts", "total_timesteps"))
-    eval_envs = open_eval_envs(args, make_eval_envs, os.path.dirname(ckpt_path))
-
-    def evaluate():  # from the same start states every time
-        return leanrl.evaluate(td3.eval_policy, eval_envs, args.seed + 10_000)
-
+    replay = leanrl.Replay(args.buffer_size, args.batch_size, dict(
+        obs=(obs_space.shape, torch.float32), action=(act_space.shape, torch.float32), reward=((), torch.float32),
+        next_obs=(obs_space.shape, torch.float32), terminated=((), torch.bool)), device)
+    global_step = iteration = fill_start = 0
+    if resumed:
+        leanrl.restore_rng(resumed)
+        td3.load_state_dict(resumed)
+        global_step, iteration = resumed["global_step"], resumed["iteration"]
+        obs = leanrl.restore_envs(envs, resumed["envs"], resumed["obs"], seed=args.seed + global_step)
+        if resumed["replay_buffer"] is not None:
+            replay.load_state_dict(resumed["replay_buffer"])
+            fill_start = resumed["fill_start"]
+        else:  # a resumed run without its buffer updates again once learning_starts new transitions are stored
+            print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
+                  "with the restored policy and updates again once learning_starts new transitions are stored.")
+            fill_start = global_step
+    else:
+        obs = envs.reset(seed=args.seed)
     # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
-    logger = leanrl.Logger.from_args(args, os.path.dirname(ckpt_path), args.total_timesteps,
-                                     start_step=run.global_step, checkpoint=ckpt_path,
-                                     burn_in=burn_in(args, run, (leanrl.WARMUP + 1) * args.policy_frequency + 1))
+    logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=global_step, checkpoint=ckpt_path,
+                                     device=device, burn_in=burn_in(args, global_step, fill_start,
+                                                                    (leanrl.WARMUP + 1) * args.policy_frequency + 1))
+
+    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
+    accel = leanrl.Acceleration.of(args, device)
+    policy = accel.eager_on_cpu("TD3's policy", "one observation at a time, compiling costs more than it saves")(
+        partial(explore, td3, args.exploration_noise), name="policy")
+    losses = [(partial(critic_loss, td3, args, accel.cpu_compile), td3.q_named, td3.q_optimizer),  # (twin_q's looped)
+              (partial(actor_loss, td3), td3.actor_named, td3.actor_optimizer)]
+    if accel.cpu_compile:  # a CPU has no graphs: the learner's step one compiled graph, its gradient steps functions
+        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=dict(fullgraph=True))
+    else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
+        steps, graph = [partial(gradient_step, loss, params, optimizer) for loss, params, optimizer in losses], {}
+    step = partial(learn, td3, replay, logger, steps, args.tau)
+    fill, learn_critic, learn_all = (accel(partial(step, update=update, delayed=delayed), name=name, **graph)
+                                     for name, update, delayed in (("fill", False, False), ("learn_critic", True, False),
+                                                                   ("learn", True, True)))
+    # ----
+
+    def checkpoint_state():
+        return dict(td3.state_dict(), envs=envs.state_dict(), obs=obs, global_step=global_step, iteration=iteration,
+                    fill_start=fill_start, replay_buffer=replay.state_dict() if args.save_buffer else None)
+
+    eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
     critic_out = actor_out = None  # the last update outputs, read at log boundaries
-    with logger, leanrl.save_on_interrupt(ckpt_path, lambda: run.state_dict(envs, args.save_buffer), args):
-        for iteration in range(run.iteration + 1, num_iterations + 1):
+    with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
+        while iteration < num_iterations:
             with torch.no_grad():
-                action = (td3.random_actions(args.num_envs) if run.global_step < args.learning_starts
-                          else td3.policy(run.obs))
+                action = random_actions(td3, args.num_envs) if global_step < args.learning_starts else policy(obs)
             out = envs.step(action)
-            store(run.rb, run.obs, action, out, out["final_obs"])  # final_obs: bootstrap through a time limit
-            run.obs = out["next_obs"]
-            before, run.global_step, run.iteration = run.global_step, run.global_step + args.num_envs, iteration
+            iteration, before, global_step = iteration + 1, global_step, global_step + args.num_envs
+            if global_step - fill_start <= args.learning_starts:
+                fill(obs, action, out)
+            elif iteration % args.policy_frequency:
+                (critic_out,) = learn_critic(obs, action, out)
+            else:  # the delay: actor and targets move less often
+                critic_out, actor_out = learn_all(obs, action, out)
+            obs = out["next_obs"]
 
-            if run.global_step - run.fill_start > args.learning_starts:
-                run.updates += 1
-                data = run.rb.sample()
-                critic_out = td3.update_critic(data["obs"], data["action"], data["reward"], data["next_obs"],
-                                               data["terminated"])
-                if iteration % args.policy_frequency == 0:  # the delay: actor and targets move less often
-                    actor_out = td3.update_actor(data["obs"])
-
-            if (args.eval_every and leanrl.crossings(before, run.global_step, args.eval_every)
-                    and iteration < num_iterations):
-                logger.record({"charts/eval_return": evaluate()})
-            logger.record_episodes(out["episode_return"], out["episode_length"])
-            logger.end_iteration(run.global_step)
+            if args.eval_every and leanrl.crossings(before, global_step, args.eval_every) and \
+                    iteration < num_iterations:
+                logger.record({"charts/eval_return": leanrl.evaluate(td3.actor_inference, eval_envs, args.seed + 10_000)})
+            logger.end_iteration(global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 for names, values in ((CRITIC_METRICS, critic_out), (ACTOR_METRICS, actor_out)):
                     if values is not None:
                         logger.record(dict(zip(names, values.unbind())))
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
+                leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
             if on_iteration is not None:
-                on_iteration(iteration, run.global_step)
-        if eval_envs is not None:  # the trained policy, also when a finished run is resumed only to evaluate or film it
-            logger.record({"charts/eval_return": evaluate()})
+                on_iteration(iteration, global_step)
+        if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
+            logger.record({"charts/eval_return": leanrl.evaluate(td3.actor_inference, eval_envs, args.seed + 10_000)})
             logger.flush()
             eval_envs.close()
-        leanrl.save_checkpoint(ckpt_path, run.state_dict(envs, args.save_buffer), args)
-        run.logged = logger.last
-    return run
+        leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
+    return SimpleNamespace(learner=td3, replay=replay, global_step=global_step, iteration=iteration,
+                           fill_start=fill_start, logged=logger.last, run_dir=run_dir)

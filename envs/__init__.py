@@ -42,10 +42,12 @@ def check_recordable(env_id: str) -> None:
     require_extra("recording videos", "moviepy", "video")
 
 
-def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_folder=None, **kwargs):
+def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_folder=None, normalize: bool = True,
+             **kwargs):
     """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). `module:EnvId` (gymnasium's
-    form) imports the module first, from the Python path or the launch directory, to register EnvId. kwargs go to
-    the family:
+    form) imports the module first, from the Python path or the launch directory, to register EnvId. `normalize`:
+    False for raw observations and rewards (TD3 and SAC, as CleanRL's); only gymnasium's continuous-action envs
+    normalize them (the Atari and torch envs never do). kwargs go to the family:
     Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
     gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state).
     `video_folder` (a folder, made if missing): sub-env 0 renders rgb_array frames and gymnasium's RecordVideo
@@ -78,5 +80,7 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
     elif env_id in gymnasium.registry:
         from .gym import GymEnv
 
+        if not normalize:
+            kwargs.update(normalize_obs=False, normalize_reward=False)
         return GymEnv(env_id, num_envs, device, seed, **kwargs)
     raise unknown_env_id(env_id)

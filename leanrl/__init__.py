@@ -7,12 +7,17 @@ Each name loads its module on first use, so the commands that need no torch (`py
 import importlib
 
 _MODULE_OF = {
-    **dict.fromkeys(["WARMUP", "ScannableAdam", "ShapeChangeError", "ShapeGuard", "accelerate", "compiling_on_cpu",
-                     "gradient_step", "load_optimizer_state", "make_adam", "sync_cuda", "wrap_flags"], "acceleration"),
+    **dict.fromkeys(["WARMUP", "Acceleration", "ShapeChangeError", "ShapeGuard", "accelerate"], "graphs"),
+    "sync_cuda": "graph_threads",
+    **dict.fromkeys(["FunctionalAdam", "functional_step", "load_optimizer_state", "make_adam"], "optim"),
+    **dict.fromkeys(["scan_env_steps", "scan_gradient_steps"], "scan"),
+    "Replay": "replay",
+    "VectorEnv": "env",
+    "effective_sample_size": "importance",
     **dict.fromkeys(["CheckpointError", "load_checkpoint", "restore_rng", "save_checkpoint", "save_on_interrupt"],
                     "checkpoint"),
     **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit", "import_user_module", "require_extra"], "cli"),
-    **dict.fromkeys(["crossings", "evaluate"], "evaluation"),
+    **dict.fromkeys(["crossings", "evaluate", "open_eval_envs"], "evaluation"),
     "TorchVectorEnv": "gym_adapter",
     "set_threads": "threads",
     "Logger": "logger",

@@ -1,6 +1,21 @@
 """Evaluation every few thousand steps, on an env of its own: the tool PPO, TD3, SAC and DQN share."""
 
+import os
+
 import torch
+
+from leanrl.cli import UsageError
+
+
+def open_eval_envs(args, make_eval_envs, run_dir: str):
+    """The envs a run's evaluations run in (`--eval-every`, or `--capture-video`, which evaluates at the end), or
+    None when it does not evaluate. `make_eval_envs(video_folder=...)` builds `args.eval_episodes` of them; with
+    --capture-video the first one films its episodes into `<run_dir>/videos`."""
+    if not (args.eval_every or args.capture_video):
+        return None
+    if make_eval_envs is None:
+        raise UsageError("--eval-every / --capture-video: train() was given no make_eval_envs")
+    return make_eval_envs(video_folder=os.path.join(run_dir, "videos") if args.capture_video else None)
 
 
 def crossings(before: int, after: int, every: int) -> int:

@@ -115,11 +115,21 @@ def _sources_match(sources: dict) -> bool:
         return False
 
 
+def _calling(callable_):
+    def call(*args):
+        return callable_(*args)
+
+    call.__qualname__ = _qualified(getattr(callable_, "func", callable_))
+    return call
+
+
 class Precompiled:
     """`torch.compile(fn, fullgraph=True, ...)` whose trace is saved to, and loaded from, inductor's cache directory
     (see the module's docstring). `loaded`: whether the trace in use came from a file."""
 
     def __init__(self, fn, compile_kwargs: dict, name: str):
+        if not isinstance(fn, types.FunctionType):  # a partial: traced through a function of its own, whose closure
+            fn = _calling(fn)                       # holds it (the objects it binds are handed over by name)
         self.fn, self.compile_kwargs, self.name = fn, compile_kwargs, name
         self.compiled = None  # the AOT-compiled function, once the first call has loaded or traced it
         self.fallback = torch.compile(fn, **compile_kwargs)  # for calls the trace's guards reject; traces when called

@@ -5,13 +5,14 @@ observation (4x84x84 bytes) and the newest frame of the next one, about 35 GB at
 the learner's device unless `--buffer-device cpu`. Checkpoints leave the buffer out unless `--save-buffer`.
 """
 
+import functools
 from dataclasses import dataclass
 
 import tyro
 
 import leanrl
 from leanrl.algorithms import dqn
-from leanrl.offpolicy import main
+from leanrl.envs import check_recordable, make_env
 
 
 @dataclass
@@ -29,4 +30,11 @@ DEFAULTS = Args(exp_name="dqn_atari", env_id="BreakoutNoFrameskip-v4", total_tim
 if __name__ == "__main__":
     with leanrl.clean_exit():
         args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
-        main(dqn, args, sticky_actions=args.sticky_actions)
+        dqn.check_args(args)
+        if args.capture_video:  # before anything is built
+            check_recordable(args.env_id)
+        device = leanrl.resolve_device(args.device)
+        make_envs = functools.partial(make_env, args.env_id, device=device, sticky_actions=args.sticky_actions)
+        envs = make_envs(args.num_envs, seed=args.seed)
+        dqn.train(args, envs, device, functools.partial(make_envs, args.eval_episodes, seed=args.seed + 10_000))
+        envs.close()

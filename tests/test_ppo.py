@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from torch.distributions import Categorical, Normal
 
 import leanrl
-from leanrl import acceleration, cli
+from leanrl import cli
 from leanrl.algorithms import ppo
 from leanrl.envs import make_env
 
@@ -81,12 +81,13 @@ def test_ppo_loss_terms_against_hand_computed_values(continuous):
         v_clip = old_values + (newvalue - old_values).clamp(-clip, clip)
         v = 0.5 * torch.maximum((newvalue - returns) ** 2, (v_clip - returns) ** 2).mean()
         expected_loss = pg - 0.01 * entropy.mean() + 0.5 * v
-    torch.testing.assert_close(m["pg_loss"], pg)
-    torch.testing.assert_close(m["v_loss"], v)
-    torch.testing.assert_close(m["entropy"], entropy.mean())
-    torch.testing.assert_close(m["approx_kl"], ((ratio - 1) - (newlogprob - old_logprobs)).mean())
-    torch.testing.assert_close(m["old_approx_kl"], (old_logprobs - newlogprob).mean())
-    torch.testing.assert_close(m["clipfrac"], ((ratio - 1).abs() > clip).float().mean())
+    m = dict(zip(ppo.UPDATE_METRICS, m))  # the loss's statistics, by name
+    torch.testing.assert_close(m["losses/policy_loss"], pg)
+    torch.testing.assert_close(m["losses/value_loss"], v)
+    torch.testing.assert_close(m["losses/entropy"], entropy.mean())
+    torch.testing.assert_close(m["losses/approx_kl"], ((ratio - 1) - (newlogprob - old_logprobs)).mean())
+    torch.testing.assert_close(m["losses/old_approx_kl"], (old_logprobs - newlogprob).mean())
+    torch.testing.assert_close(m["losses/clipfrac"], ((ratio - 1).abs() > clip).float().mean())
     torch.testing.assert_close(loss, expected_loss)
 
 
@@ -97,7 +98,7 @@ def test_policy_samples_follow_the_distribution(continuous):
     agent = ppo.make_agent(BOX4, act_space)
     obs = torch.randn(1, 4).expand(20000, 4)
     with torch.no_grad():
-        action, logprob, _ = ppo.make_policy(agent)(obs)
+        action, logprob, _ = ppo.policy(agent, obs)
         if continuous:
             torch.testing.assert_close(action.mean(), agent.actor(obs[:1]).squeeze(), atol=0.03, rtol=0)
         else:
@@ -105,15 +106,17 @@ def test_policy_samples_follow_the_distribution(continuous):
             torch.testing.assert_close(freq, agent.actor(obs[:1]).softmax(-1).squeeze(0), atol=0.015, rtol=0)
 
 
+LOSS = functools.partial(ppo.ppo_loss, clip_coef=0.1, clip_vloss=True, norm_adv=True, ent_coef=0.01, vf_coef=0.5)
+
+
 def _update_fns(accelerated, continuous, device):
     """PPO's update eager, or accelerated as a run on `device` takes it: compiled, and on CUDA in a CUDA graph."""
     torch.manual_seed(0)
     act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
-    wrap = dict(compile=accelerated, cudagraphs=accelerated and device.type == "cuda", device=device)
-    args = ppo.Args(compile=wrap["compile"], cudagraphs=wrap["cudagraphs"])
+    accel = leanrl.Acceleration(accelerated, accelerated and device.type == "cuda", device)
     agent = ppo.make_agent(BOX4, act_space, device=device)
-    optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, **wrap)
-    return agent, leanrl.accelerate(ppo.make_update(agent, optimizer, args), **wrap)
+    optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, **accel.flags)
+    return agent, accel(functools.partial(ppo.update, agent, optimizer, LOSS, 0.5))
 
 
 @pytest.mark.parametrize("continuous", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -126,9 +129,7 @@ def test_compiled_update_matches_eager_after_k_steps(continuous, device):
         _update_fns(True, continuous, device)
     for batch in batches:
         batch = [x.to(device) for x in batch]
-        eager_out, compiled_out = eager_update(*batch), compiled_update(*batch)
-        for e, c in zip(eager_out, compiled_out):
-            torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(compiled_update(*batch), eager_update(*batch), rtol=1e-4, atol=1e-5)
     for (name, e), c in zip(eager_agent.named_parameters(), compiled_agent.parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -151,14 +152,16 @@ def test_scanned_update_epochs_match_eager(continuous):
         agent = ppo.make_agent(BOX4, gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3))
         optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=scanned, cudagraphs=False,
                                      device="cpu")
-        update = ppo.make_update(agent, optimizer, args)
-        learn = (ppo.make_scanned_update(agent, optimizer, args, dict(compile=True, cudagraphs=False, device="cpu"))
-                 if scanned else functools.partial(ppo.update_epochs, update, args=args))
+        update = functools.partial(ppo.update_epochs, functools.partial(ppo.update, agent, optimizer, LOSS, 0.5),
+                                   ppo.MINIBATCH_KEYS)
+        learn = (functools.partial(ppo.scanned_epochs, leanrl.scan_gradient_steps(
+            LOSS, agent, optimizer, 0.5, leanrl.Acceleration(compile=True)), ppo.MINIBATCH_KEYS) if scanned
+            else update)
         torch.manual_seed(2)
-        outs = [learn(batches[0])]
+        outs = [learn(batches[0], ppo.minibatches(args, B, "cpu"))]
         optimizer.param_groups[0]["lr"].fill_(3e-4)
-        outs.append(learn(batches[1]))
-        outs.append(ppo.update_epochs(update, batches[2], args))  # eager, from the state the scan left
+        outs.append(learn(batches[1], ppo.minibatches(args, B, "cpu")))
+        outs.append(update(batches[2], ppo.minibatches(args, B, "cpu")))  # eager, from the state the scan left
         results.append((outs, agent, optimizer))
     (eager_outs, eager_agent, eager_opt), (scan_outs, scan_agent, scan_opt) = results
     torch.testing.assert_close(scan_outs, eager_outs, rtol=1e-4, atol=1e-5)
@@ -171,7 +174,8 @@ def test_scanned_update_epochs_match_eager(continuous):
 @torch._inductor.config.patch(fallback_random=True)  # compiled code draws eager's random numbers
 def test_compiled_policy_matches_eager():
     agent = ppo.make_agent(BOX4, gym.spaces.Discrete(3))
-    eager, compiled = ppo.make_policy(agent), leanrl.accelerate(ppo.make_policy(agent), compile=True)
+    eager = functools.partial(ppo.policy, agent)
+    compiled = leanrl.accelerate(functools.partial(ppo.policy, agent), compile=True)
     obs = torch.randn(32, 4)
     with torch.no_grad():
         for _ in range(3):
@@ -189,7 +193,7 @@ def test_non_divisible_minibatches_fail_before_anything_is_built():
 
 def test_a_shape_change_under_a_graphed_policy_is_a_clear_error():
     agent = ppo.make_agent(BOX4, gym.spaces.Discrete(3))
-    policy = leanrl.accelerate(ppo.make_policy(agent), cudagraphs=True, name="policy")
+    policy = leanrl.accelerate(functools.partial(ppo.policy, agent), cudagraphs=True, name="policy")
     with torch.no_grad():
         policy(torch.randn(8, 4))
         with pytest.raises(leanrl.ShapeChangeError, match=r"policy: argument 0 .*\[8, 4\].*\[1, 4\]"):
@@ -232,7 +236,7 @@ def test_ppo_solves_on_device_cartpole(tmp_path):
     # averages every episode of the last 40 iterations (10k steps).
     trained = run_cartpole(tmp_path, num_envs=8, num_steps=32, num_minibatches=1, update_epochs=20,
                            learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, ent_coef=0.0, clip_coef=0.2,
-                           total_timesteps=100_000, log_every=40)
+                           anneal_clip=True, total_timesteps=100_000, log_every=40)
     assert trained.logged["charts/episodic_return"] >= 475, trained.logged
 
 
@@ -266,11 +270,16 @@ def test_scanned_rollout_stores_what_the_eager_rollout_stores(env_id):
         envs = make_env(env_id, 8, seed=3)
         agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space).requires_grad_(False)
         storage, next_obs = ppo.make_storage(envs, args, cpu), envs.reset(seed=3)
-        wrap = dict(compile=scanned, cudagraphs=False, device=cpu)
-        act, get_value = ppo.make_acting(agent, envs, args, wrap)
-        collect = (ppo.make_scanned_rollout(agent, envs, args, wrap) if scanned else
-                   lambda next_obs, storage: ppo.rollout(act, get_value, envs, next_obs, storage, args))
-        next_values, terminated = collect(next_obs, storage)
+        policy = functools.partial(ppo.policy, agent)
+        if scanned:
+            step = leanrl.scan_env_steps(lambda env_step, obs, noise: ppo.act(policy, agent.get_value, args, env_step,
+                                                                              obs.clone(), noise), envs,
+                                         leanrl.Acceleration(compile=True))
+            ppo.scanned_rollout(step, envs, next_obs, storage, args)
+        else:
+            ppo.rollout(functools.partial(ppo.act, policy, agent.get_value, args, envs.step), envs, next_obs,
+                        storage, args)
+        next_values, terminated = ppo.bootstrap(agent.get_value, next_obs, storage, args)
         results.append((storage, next_values, terminated, next_obs, envs.state_dict()))
     (eager, *eager_rest), (compiled, *compiled_rest) = results
     assert eager["truncated"].any() if env_id == "torch/Pendulum-v1" else eager["terminated"].any()
@@ -286,18 +295,19 @@ def test_compiled_rollout_scan_matches_eager(env_id, tmp_path, capfd, monkeypatc
     discrete and continuous actions: both draw the rollout's random numbers up front (no fallback_random needed)."""
     monkeypatch.setattr(cli, "_said", set())  # said once per process: maybe before this test
     scanned = []
-    for name in ("make_scanned_rollout", "make_scanned_update"):
-        monkeypatch.setattr(ppo, name, lambda *a, make=getattr(ppo, name), name=name: scanned.append(name) or make(*a))
+    for name in ("scan_env_steps", "scan_gradient_steps"):
+        monkeypatch.setattr(leanrl, name, lambda *a, scan=getattr(leanrl, name), name=name: scanned.append(name) or
+                            scan(*a))
     torch._dynamo.reset()
     agents = []
     for compile in (False, True):
         args = ppo.Args(**{**CARTPOLE, "env_id": env_id, "num_steps": 16, "num_minibatches": 2, "update_epochs": 2,
                            "total_timesteps": 3 * 8 * 16, "run_dir": str(tmp_path / str(compile)), "compile": compile})
         agents.append(ppo.train(args, make_env(args.env_id, args.num_envs), torch.device("cpu")).agent)
-    assert scanned == ["make_scanned_rollout", "make_scanned_update"]  # the compiled run, only
+    assert scanned == ["scan_env_steps", "scan_gradient_steps"]  # the compiled run, only
     for (name, e), c in zip(agents[0].named_parameters(), agents[1].parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
-    assert "--compile keeps eager GAE" in capfd.readouterr().err
+    assert "--compile keeps GAE eager" in capfd.readouterr().err
 
 
 def test_graph_iteration_needs_an_on_device_env():

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, from_module
 
-from leanrl.acceleration import accelerate
+from leanrl.graphs import accelerate
 from leanrl.cli import UsageError
 from leanrl.llm.models import FAMILIES
 

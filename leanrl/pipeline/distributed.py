@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leanrl.acceleration import sync_cuda
+from leanrl.graph_threads import sync_cuda
 from leanrl.cli import UsageError
 from leanrl.pipeline.core import Stats, Stopped, Trainer, check_settings
 

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from tensordict import TensorDictBase
 
-from leanrl.acceleration import sync_cuda
+from leanrl.graph_threads import sync_cuda
 from leanrl.pipeline.core import CollectorError, Stats, Stopped, Trainer, check_settings
 from leanrl.pipeline.weights import WeightRing
 

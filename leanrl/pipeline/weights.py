@@ -20,7 +20,7 @@ import time
 import torch
 from tensordict import TensorDictBase
 
-from leanrl.acceleration import sync_cuda
+from leanrl.graph_threads import sync_cuda
 from leanrl.pipeline.core import Stopped
 
 
