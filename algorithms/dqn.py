@@ -29,7 +29,7 @@ from leanrl.replay import burn_in, check_replay_args
 
 
 @dataclass
-class Args(leanrl.RunArgs):
+class Args(leanrl.EvalArgs, leanrl.RunArgs):
     env_id: str = "CartPole-v1"
     """the id of the environment (discrete actions)"""
     num_envs: int = 1
@@ -64,13 +64,6 @@ class Args(leanrl.RunArgs):
     """include the replay buffer in checkpoints (all of its storage: about 35 GB for Atari at 1e6). Off by default,
     so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with the
     restored policy and updates again after learning_starts new steps"""
-    eval_every: int = 0
-    """run an evaluation (charts/eval_return) every this many env steps, and at the end (0: never)"""
-    eval_episodes: int = 10
-    """episodes per evaluation (one per env of the evaluation env)"""
-    capture_video: bool = False
-    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
-    even without --eval-every; resuming a finished run with it records the trained agent)"""
     eval_epsilon: float = 0.0
     """epsilon of the evaluation policy (0: greedy, deterministic; CleanRL's Atari evaluation uses 0.05)"""
     log_every: int = 1000
@@ -80,8 +73,7 @@ class Args(leanrl.RunArgs):
 
 
 def check_args(args: Args) -> int:
-    """Fail on settings that cannot work, before any environment is built or anything compiled.
-    Returns the number of iterations (vector env steps)."""
+    """Fail on settings that cannot work, before anything is built; the number of iterations (vector env steps)."""
     num_iterations = check_replay_args(args)
     if args.train_frequency < 1 or args.target_network_frequency < 1:
         raise leanrl.UsageError(f"train_frequency = {args.train_frequency} and target_network_frequency = "
@@ -226,15 +218,8 @@ class DQN:
                                           **leanrl.Acceleration.of(args, device).flags)
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # the global step, advanced by the policy
 
-    def state_dict(self):
-        return dict(q_network=self.q_network.state_dict(), q_target=self.q_target.state_dict(),
-                    optimizer=self.optimizer.state_dict())
-
-    def load_state_dict(self, state):  # in place, so every address a captured graph holds stays valid
-        self.q_network.load_state_dict(state["q_network"])
-        self.q_target.load_state_dict(state["q_target"])
-        leanrl.load_optimizer_state(self.optimizer, state["optimizer"])
-        self.step.fill_(state["global_step"])
+    def parts(self) -> dict:  # what a checkpoint keeps (leanrl.state_of), loaded in place (leanrl.load_in_place)
+        return dict(q_network=self.q_network, q_target=self.q_target, optimizer=self.optimizer)
 
 
 def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
@@ -245,27 +230,20 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("learning_starts",))
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
+    dqn = DQN(obs_space, act_space, args, device)  # (an unsuitable env's error: before the run directory exists)
+    leanrl.set_threads(args.threads, dqn.q_network)  # before the first compiled call
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
-    dqn = DQN(obs_space, act_space, args, device)
-    leanrl.set_threads(args.threads, dqn.q_network)  # before the first compiled call
-    next_obs_shape = (1, *obs_space.shape[1:]) if dqn.frame_stack else obs_space.shape
-    replay = leanrl.Replay(args.buffer_size, args.batch_size, dict(
-        obs=(obs_space.shape, envs.obs_dtype), action=((), torch.int64), reward=((), torch.float32),
-        next_obs=(next_obs_shape, envs.obs_dtype), terminated=((), torch.bool)), args.buffer_device or device)
+    replay = leanrl.Replay.of_transitions(args, obs_space, act_space, args.buffer_device or device, envs.obs_dtype,
+                                          (1, *obs_space.shape[1:]) if dqn.frame_stack else None)  # the newest frame
     global_step = iteration = fill_start = 0
     if resumed:
         leanrl.restore_rng(resumed)
-        dqn.load_state_dict(resumed)
+        leanrl.load_in_place(dqn.parts(), resumed)
+        dqn.step.fill_(resumed["global_step"])
         global_step, iteration = resumed["global_step"], resumed["iteration"]
         obs = leanrl.restore_envs(envs, resumed["envs"], resumed["obs"], seed=args.seed + global_step)
-        if resumed["replay_buffer"] is not None:
-            replay.load_state_dict(resumed["replay_buffer"])
-            fill_start = resumed["fill_start"]
-        else:  # a resumed run without its buffer updates again once learning_starts new transitions are stored
-            print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
-                  "with the restored policy and updates again once learning_starts new transitions are stored.")
-            fill_start = global_step
+        fill_start = leanrl.restore_replay(replay, resumed)
     else:
         obs = envs.reset(seed=args.seed)
     # The SPS clock starts once both functions have been compiled and captured: WARMUP + 1 updates.
@@ -278,8 +256,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     accel = leanrl.Acceleration.of(args, device)
     act = accel.eager_on_cpu("DQN's policy", "one observation at a time, compiling costs more than it saves")(
         partial(policy, dqn, args), name="policy")
-    if dqn.frame_stack:  # the CNN's step gains nothing from compiling on a CPU
-        accel = accel.eager_on_cpu("DQN's CNN update", "compiled, its convolutions run slower than eager")
+    accel = accel.eager_on_cpu("DQN's CNN update", "compiled, its convolutions run slower than eager") \
+        if dqn.frame_stack else accel
     if replay.device != device:  # a buffer in host memory (a large Atari one): the step's storing and sampling
         # stay eager, the update alone is accelerated
         update, fast = accel(partial(gradient_step, dqn, args), name="update"), leanrl.Acceleration()
@@ -287,7 +265,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         update, fast = leanrl.functional_step(partial(td_loss, dqn, args), dqn.q_named, dqn.optimizer), accel
     else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
         update, fast = partial(gradient_step, dqn, args), accel
-    graph = dict(compile_kwargs=dict(fullgraph=True)) if fast.cpu_compile else {}
+    graph = dict(compile_kwargs=leanrl.ONE_GRAPH) if fast.cpu_compile else {}
     step = partial(learn, dqn, replay, logger, update, device)
     learners = {}  # by the number of updates an env step makes (num_envs and train_frequency decide which occur)
 
@@ -298,13 +276,13 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     # ----
 
     def checkpoint_state():
-        return dict(dqn.state_dict(), envs=envs.state_dict(), obs=obs, global_step=global_step, iteration=iteration,
-                    fill_start=fill_start, replay_buffer=replay.state_dict() if args.save_buffer else None)
-
-    def evaluate():  # from the same start states every time
-        return leanrl.evaluate(partial(evaluation_policy, dqn, args.eval_epsilon), eval_envs, args.seed + 10_000)
+        return dict(leanrl.state_of(dqn.parts()), envs=envs.state_dict(), obs=obs, global_step=global_step,
+                    iteration=iteration, fill_start=fill_start,
+                    replay_buffer=replay.state_dict() if args.save_buffer else None)
 
     eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
+    evaluate = partial(leanrl.evaluate, partial(evaluation_policy, dqn, args.eval_epsilon), eval_envs,
+                       args.seed + 10_000)  # from the same start states every time
     update_out = None  # the last update's outputs, read at log boundaries
     with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
@@ -331,8 +309,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
-            if on_iteration is not None:
-                on_iteration(iteration, global_step)
+            if on_iteration is not None and on_iteration(iteration, global_step):
+                break  # the caller ends the run here
         if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
             logger.record({"charts/eval_return": evaluate()})
             logger.flush()

@@ -26,6 +26,8 @@ import leanrl.pipeline
 from leanrl.algorithms import grpo
 from leanrl.config import ASYNC_ONLY
 from leanrl.data_parallel import DataParallel
+from leanrl.llm.tasks import PromptStream, held_out_evaluation, score
+from leanrl.llm.warm_start import load_policy
 from leanrl.pipeline import AsyncArgs, check_settings
 
 STATS = ("sampled_tokens", "time_s", "dropped", "slot_utilization", "decode_steps")
@@ -66,23 +68,24 @@ def batch_template(sampler, args: Args):
     return batch
 
 
-def grpo_collector(ctx, args: Args, model_dir: str, device, prompt_offset: int, first_stream: int = 0,
+def grpo_collector(ctx, args: Args, make_task, model_dir: str, device, prompt_offset: int, first_stream: int = 0,
                    num_streams: int | None = None):
     """A collector role: its own model copy and Sampler; fills each admitted batch slot, scores it, sends it.
     It reads prompt stream `first_stream + ctx.rank` of `num_streams` (default: one per collector)."""
     leanrl.seed_everything(args.seed + 1 + ctx.rank, args.torch_deterministic)
-    task, model, tokenizer, _ = grpo.load_policy(args, device, model_dir, processes(args))
+    task = make_task()
+    model, tokenizer, _ = load_policy(args, task, device, model_dir, processes(args))
     sampler = grpo.make_sampler(model, tokenizer, args, model_dir,
                                 recompute_kv=args.recompute_kv, seed=args.seed + 1 + ctx.rank)
     # Stream s is prompts offset + s, offset + s + n, ...: streams never overlap and are the same every run.
-    prompts = grpo.PromptStream(task, tokenizer, args.seed, start=prompt_offset + first_stream + ctx.rank,
+    prompts = PromptStream(task, tokenizer, args.seed, start=prompt_offset + first_stream + ctx.rank,
                                 stride=num_streams or args.num_collectors, chat=args.chat_template)
     for batch in ctx.batches(sampler.params, batch_template(sampler, args)):
         stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=ctx.step_boundary,
                              min_version=ctx.min_version, carry_over=not args.deterministic,
                              min_version_step=args.num_collectors)
         host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-        batch["rewards"].copy_(grpo.score(task, tokenizer, host, args.seed))
+        batch["rewards"].copy_(score(task, tokenizer, host, args.seed))
         batch["sampler_stats"].copy_(torch.tensor([stats[k] for k in STATS], dtype=torch.float64))
 
 
@@ -94,14 +97,17 @@ def from_rank_zero(model_dir=None, prompt_offset=None):
     return directory_on_every_rank(model_dir), prompt_offset
 
 
-def train(args: Args, collector=grpo_collector) -> dict:
+def train(args: Args, make_task, collector=grpo_collector) -> dict:
     """The trainer role: prepares the model (the collectors load the same directory), starts the collectors,
-    then consumes, updates, publishes, logs and checkpoints. Returns the last logged metrics.
+    then consumes, updates, publishes, logs and checkpoints. Returns the last logged metrics. `make_task()`
+    builds the task, in every process of the run (a class, or a picklable callable: see grpo.train).
     Under `torchrun --nproc-per-node N` with `--transport threads` or `processes`, N data-parallel trainers
     (as in grpo.train), each with its own `--num-collectors` filling its 1/N of every batch; rank 0 logs the
     world's metrics and checkpoints. With `--transport distributed`, every torchrun rank calls this: rank 0 trains,
     the others collect (and return None)."""
     check_args(args)
+    # the learner resumes exactly; collectors draw fresh prompts
+    resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("total_timesteps",))  # (a constant lr)
     device = leanrl.resolve_device(args.device)
     settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
     if args.transport == "distributed":  # torchrun's ranks: rank 0 trains, the others collect
@@ -110,7 +116,7 @@ def train(args: Args, collector=grpo_collector) -> dict:
         if is_collector_rank():
             model_dir, prompt_offset = from_rank_zero()
             leanrl.pipeline.start("distributed", args.num_collectors, collector,
-                                  (args, model_dir, device, prompt_offset), None, None, **settings)
+                                  (args, make_task, model_dir, device, prompt_offset), None, None, **settings)
             return None
         data_parallel = DataParallel(device)
     else:
@@ -118,8 +124,9 @@ def train(args: Args, collector=grpo_collector) -> dict:
     rank, world, device = data_parallel.rank, data_parallel.world, data_parallel.device
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     # The first rank builds the warm-start cache, the others load it.
-    task, model, tokenizer, model_dir = data_parallel.in_turns(lambda: grpo.load_policy(args, device,
-                                                                                         processes=processes(args)))
+    task = make_task()
+    model, tokenizer, model_dir = data_parallel.in_turns(lambda: load_policy(args, task, device,
+                                                                             processes=processes(args)))
     learner = grpo.Learner(model, args, device, max_lag=args.max_lag, data_parallel=data_parallel)
     B = args.num_prompts * args.group_size
     num_iterations = args.total_timesteps // B
@@ -127,14 +134,13 @@ def train(args: Args, collector=grpo_collector) -> dict:
     run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
-    if args.resume:  # the learner resumes exactly; collectors draw fresh prompts
-        state = leanrl.load_checkpoint(args.resume, args, may_change=("total_timesteps",))  # a constant lr
-        leanrl.restore_rng(state)
-        grpo.restore(learner, state)
-        iteration = state["iteration"]
+    if resumed:
+        leanrl.restore_rng(resumed)
+        learner.load_state_dict(resumed)
+        iteration = resumed["iteration"]
 
     def state():
-        return dict(grpo.learner_state(learner), iteration=iteration)
+        return dict(learner.state_dict(), iteration=iteration)
 
     if args.transport == "distributed":
         from_rank_zero(model_dir, iteration * B)
@@ -143,12 +149,12 @@ def train(args: Args, collector=grpo_collector) -> dict:
     template = batch_template(grpo.make_sampler(model, tokenizer, args, backend="builtin", num_slots=1), share)
     # Evaluations sample the trainer's weights with a built-in sampler of its own (the collectors' samplers follow
     # them up to --max-lag behind, in other processes or on other machines), on rank 0 only as in sync GRPO.
-    evaluate = grpo.held_out_evaluation(grpo.make_sampler(model, tokenizer, args, backend="builtin"), task,
-                                        tokenizer, args) if args.eval_every and rank == 0 else None
-    logger, interrupt = grpo.rank_logging(args, run_dir, rank, num_iterations * B, iteration * B, checkpoint_path,
-                                          state)
+    evaluate = held_out_evaluation(grpo.make_sampler(model, tokenizer, args, backend="builtin"), task, tokenizer,
+                                   args) if args.eval_every and rank == 0 else None
+    logger, interrupt = data_parallel.logging(args, run_dir, num_iterations * B, iteration * B, checkpoint_path,
+                                              state, return_metric="charts/reward_mean", unit="sequence")
     C = args.num_collectors
-    fn_args = (share, model_dir, collector_device, iteration * B, rank * C, world * C)
+    fn_args = (share, make_task, model_dir, collector_device, iteration * B, rank * C, world * C)
     with logger, interrupt, leanrl.pipeline.start(args.transport, C, collector, fn_args, template,
                                                   from_module(model).data, **settings) as trainer:
         while iteration < num_iterations:

@@ -23,7 +23,7 @@ import leanrl
 
 
 @dataclass
-class Args(leanrl.RunArgs):
+class Args(leanrl.EvalArgs, leanrl.RunArgs):
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the environment"""
     num_envs: int = 8
@@ -63,20 +63,12 @@ class Args(leanrl.RunArgs):
     """bootstrap truncated episodes from the value of their final observation (one extra critic pass per step)"""
     graph_iteration: bool = False
     """with an on-device env, capture a whole iteration (rollout, GAE, every update epoch) as one CUDA graph"""
-    eval_every: int = 0
-    """evaluate the policy (charts/eval_return) every this many env steps, and once at the end (0: never)"""
-    eval_episodes: int = 10
-    """episodes per evaluation (one per env of the evaluation env)"""
-    capture_video: bool = False
-    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
-    even without --eval-every; resuming a finished run with it records the trained agent)"""
 
 
 def check_args(args: Args) -> tuple[int, int, int]:
     """Fail on settings that cannot work, before any environment is built or anything compiled."""
     leanrl.check_flags(args, positive=("num_envs", "num_steps", "learning_rate", "num_minibatches", "update_epochs",
-                                       "max_grad_norm", "eval_episodes"),
-                       non_negative=("clip_coef", "ent_coef", "vf_coef", "eval_every"),
+                                       "max_grad_norm"), non_negative=("clip_coef", "ent_coef", "vf_coef"),
                        unit_interval=("gamma", "gae_lambda"))
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
@@ -214,15 +206,14 @@ def act(policy, get_value, args: Args, env_step, obs, noise: tuple):
 def make_storage(envs, args: Args, device) -> TensorDict:
     """The rollout buffer, (num_steps, num_envs), allocated once: captured graphs read and write its addresses."""
     obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    fields = dict(obs=(obs_space.shape, envs.obs_dtype),
+                  actions=(act_space.shape, torch.float32 if act_space.shape else torch.long),
+                  **dict.fromkeys(("terminated", "truncated"), ((), torch.bool)),
+                  **dict.fromkeys(("logprobs", "values", "rewards", "final_values", "episode_return",
+                                   "episode_length"), ((), torch.float32)))
     T, N = args.num_steps, args.num_envs
-    zeros = dict(device=device)
-    return TensorDict(
-        obs=torch.zeros(T, N, *obs_space.shape, dtype=envs.obs_dtype, **zeros),
-        actions=torch.zeros(T, N, *act_space.shape, dtype=torch.float32 if act_space.shape else torch.long, **zeros),
-        logprobs=torch.zeros(T, N, **zeros), values=torch.zeros(T, N, **zeros), rewards=torch.zeros(T, N, **zeros),
-        final_values=torch.zeros(T, N, **zeros), terminated=torch.zeros(T, N, dtype=torch.bool, **zeros),
-        truncated=torch.zeros(T, N, dtype=torch.bool, **zeros), episode_return=torch.zeros(T, N, **zeros),
-        episode_length=torch.zeros(T, N, **zeros), batch_size=[T, N], device=device)
+    return TensorDict({key: torch.zeros(T, N, *shape, dtype=dtype, device=device) for key, (shape, dtype) in
+                       fields.items()}, batch_size=[T, N], device=device)
 
 
 @torch.no_grad()
@@ -242,7 +233,8 @@ def rollout(step, envs, next_obs, storage, args: Args):
 def scanned_rollout(scanned, envs, next_obs, storage, args: Args):
     """`rollout` as one call: `scanned` is `act` over the whole rollout, a compiled scan (`leanrl.scan_env_steps`)."""
     last_obs, stored = scanned(next_obs, draw_noise(envs, args.num_steps, next_obs.device))
-    storage.update_(stored)
+    for key, x in stored.items():  # (a dict into a TensorDict costs more than the scan)
+        storage[key].copy_(x)
     next_obs.copy_(last_obs)
 
 
@@ -373,12 +365,11 @@ MAX_COMPILED_GAE_STEPS = 256  # longer rollouts run GAE uncompiled (still inside
 
 
 def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None) -> SimpleNamespace:
-    """Train to `args.total_timesteps`; log to the run directory (see `leanrl.Logger`); checkpoint every
-    `checkpoint_every` iterations, at the end and on Ctrl-C/SIGTERM; resume exactly from `args.resume`.
-    `make_eval_envs(video_folder=...)` builds the `args.eval_episodes` envs that evaluations run in (`video_folder`:
-    where the first one records its episodes, with `--capture-video`; else None).
-    `on_iteration(iteration, global_step)` is called after each iteration (benchmarks time with it). Returns the
-    agent, optimizer, last logged values and counters."""
+    """Train to `args.total_timesteps`, logging to the run directory, checkpointing every `checkpoint_every`
+    iterations, at the end and on Ctrl-C/SIGTERM; resume exactly from `args.resume`. `make_eval_envs(video_folder=)`
+    builds the `args.eval_episodes` envs evaluations run in (`video_folder`: where the first records, else None).
+    `on_iteration(iteration, global_step)` is called after each iteration; a true return ends the run there
+    (benchmarks time the loop with it). Returns the agent, optimizer, last logged values and counters."""
     device = torch.device(device or leanrl.resolve_device(args.device))
     batch_size, _, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
@@ -437,8 +428,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     iteration = 0
     if resumed:  # before any capture: parameters are copied in place, the tensor learning rate is kept
         leanrl.restore_rng(resumed)
-        agent.load_state_dict(resumed["agent"])
-        leanrl.load_optimizer_state(optimizer, resumed["optimizer"])
+        leanrl.load_in_place(dict(agent=agent, optimizer=optimizer), resumed)
         iteration = resumed["iteration"]
         next_obs = leanrl.restore_envs(envs, resumed["envs"], resumed["next_obs"], seed=args.seed + iteration)
     else:
@@ -485,8 +475,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
                 logger.flush()  # the log boundary: the one device-to-host read
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
-            if on_iteration is not None:
-                on_iteration(iteration, iteration * batch_size)
+            if on_iteration is not None and on_iteration(iteration, iteration * batch_size):
+                break  # the caller ends the run here
         if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
             logger.record({"charts/eval_return": evaluate(envs.statistics())})
             logger.flush()

@@ -263,8 +263,8 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
                 logger.flush()
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
-            if on_iteration is not None:
-                on_iteration(iteration, iteration * batch_size)
+            if on_iteration is not None and on_iteration(iteration, iteration * batch_size):
+                break  # the caller ends the run here
         if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
             logger.record({"charts/eval_return": evaluate(statistics)})
             logger.flush()

@@ -29,7 +29,7 @@ from leanrl.replay import burn_in, check_replay_args
 
 
 @dataclass
-class Args(leanrl.RunArgs):
+class Args(leanrl.EvalArgs, leanrl.RunArgs):
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (continuous actions)"""
     num_envs: int = 1
@@ -60,14 +60,6 @@ class Args(leanrl.RunArgs):
     """include the replay buffer in checkpoints (all of its storage: about 160 MB for HalfCheetah at 1e6). Off by
     default, so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with
     the restored policy and updates again after learning_starts new steps"""
-    eval_every: int = 0
-    """run a deterministic evaluation (charts/eval_return; the action is the squashed mean) every this many env
-    steps, and at the end (0: never)"""
-    eval_episodes: int = 10
-    """episodes per evaluation (one per env of the evaluation env)"""
-    capture_video: bool = False
-    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
-    even without --eval-every; resuming a finished run with it records the trained agent)"""
     log_every: int = 1000
     """read metrics to the host every this many iterations (vector env steps)"""
     checkpoint_every: int = 50_000
@@ -175,22 +167,10 @@ class SAC:
         self.q_optimizer = leanrl.make_adam(list(self.q_named.values()), args.q_lr, **accel.flags)
         self.actor_optimizer = leanrl.make_adam(list(self.actor_named.values()), args.policy_lr, **accel.flags)
 
-    def state_dict(self):
-        return dict(actor=self.actor.state_dict(), q_params=self.q_online.to_dict(), q_target=self.q_target.to_dict(),
-                    log_alpha=self.log_alpha.detach(), q_optimizer=self.q_optimizer.state_dict(),
-                    actor_optimizer=self.actor_optimizer.state_dict(),
-                    alpha_optimizer=self.alpha_optimizer.state_dict() if self.alpha_optimizer else None)
-
-    def load_state_dict(self, state):  # in place, so every address a captured graph holds stays valid
-        self.actor.load_state_dict(state["actor"])
-        self.q_online.update_(state["q_params"])
-        self.q_target.update_(state["q_target"])
-        with torch.no_grad():
-            self.log_alpha.copy_(state["log_alpha"])
-        leanrl.load_optimizer_state(self.q_optimizer, state["q_optimizer"])
-        leanrl.load_optimizer_state(self.actor_optimizer, state["actor_optimizer"])
-        if self.alpha_optimizer is not None:
-            leanrl.load_optimizer_state(self.alpha_optimizer, state["alpha_optimizer"])
+    def parts(self) -> dict:  # what a checkpoint keeps (leanrl.state_of), loaded in place (leanrl.load_in_place)
+        return dict(actor=self.actor, q_params=self.q_online, q_target=self.q_target, log_alpha=self.log_alpha,
+                    q_optimizer=self.q_optimizer, actor_optimizer=self.actor_optimizer,
+                    alpha_optimizer=self.alpha_optimizer)
 
 
 # ------------------------------------------------------------------------------ acting and learning
@@ -245,12 +225,11 @@ def gradient_step(loss_fn, params: dict, optimizer, data):
 
 
 def learn(sac: SAC, replay, logger, steps, args: Args, obs, action, out, *, update: bool, delayed: bool):
-    """What an env step does for learning, in one call: store its transitions (next_obs: the true next observation,
-    `final_obs`), count the episodes that ended, and, once learning has started (`update`), sample a batch for the
-    critic's step, after which the target critic moves (one lerp in place: target <- (1 - tau) target + tau
-    online); every policy_frequency steps (`delayed`) also policy_frequency actor and temperature steps, compensating
-    for the delay as CleanRL. `steps`: the critic's, actor's and temperature's gradient steps (None: no autotune).
-    Returns their metrics."""
+    """What an env step does for learning, in one call: store its transitions (next_obs: the true `final_obs`), count
+    the episodes that ended and, once learning has started (`update`), sample a batch for the critic's step, then
+    move the target critic (one lerp in place); every policy_frequency steps (`delayed`) also policy_frequency actor
+    and temperature steps, as CleanRL compensates the delay. `steps`: the critic's, actor's and temperature's
+    gradient steps (the last None without autotune). Returns their metrics."""
     replay.extend(dict(obs=obs, action=action, reward=out["reward"], next_obs=out["final_obs"],
                        terminated=out["terminated"]))
     logger.record_episodes(out["episode_return"], out["episode_length"])
@@ -283,22 +262,14 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     sac = SAC(obs_space, act_space, args, device)
     leanrl.set_threads(args.threads, sac.actor, sac.q_params)  # before the first compiled call
-    replay = leanrl.Replay(args.buffer_size, args.batch_size, dict(
-        obs=(obs_space.shape, torch.float32), action=(act_space.shape, torch.float32), reward=((), torch.float32),
-        next_obs=(obs_space.shape, torch.float32), terminated=((), torch.bool)), device)
+    replay = leanrl.Replay.of_transitions(args, obs_space, act_space, device)
     global_step = iteration = fill_start = 0
     if resumed:
         leanrl.restore_rng(resumed)
-        sac.load_state_dict(resumed)
+        leanrl.load_in_place(sac.parts(), resumed)
         global_step, iteration = resumed["global_step"], resumed["iteration"]
         obs = leanrl.restore_envs(envs, resumed["envs"], resumed["obs"], seed=args.seed + global_step)
-        if resumed["replay_buffer"] is not None:
-            replay.load_state_dict(resumed["replay_buffer"])
-            fill_start = resumed["fill_start"]
-        else:  # a resumed run without its buffer updates again once learning_starts new transitions are stored
-            print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
-                  "with the restored policy and updates again once learning_starts new transitions are stored.")
-            fill_start = global_step
+        fill_start = leanrl.restore_replay(replay, resumed)
     else:
         obs = envs.reset(seed=args.seed)
     logger = leanrl.Logger.from_args(args, run_dir, args.total_timesteps, start_step=global_step, checkpoint=ckpt_path,
@@ -315,23 +286,23 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     if args.autotune:
         losses.append((partial(alpha_loss, sac), {"log_alpha": sac.log_alpha}, sac.alpha_optimizer))
     if accel.cpu_compile:  # a CPU has no graphs: the learner's step one compiled graph, its gradient steps functions
-        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=dict(fullgraph=True))
+        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=leanrl.ONE_GRAPH)
     else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
         steps, graph = [partial(gradient_step, loss, params, optimizer) for loss, params, optimizer in losses], {}
     step = partial(learn, sac, replay, logger, (*steps, None)[:3], args)
+    variants = (("fill", False, False), ("learn_critic", True, False), ("learn", True, True))
     fill, learn_critic, learn_all = (accel(partial(step, update=update, delayed=delayed), name=name, **graph)
-                                     for name, update, delayed in (("fill", False, False), ("learn_critic", True, False),
-                                                                   ("learn", True, True)))
+                                     for name, update, delayed in variants)
     # ----
 
     def checkpoint_state():
-        return dict(sac.state_dict(), envs=envs.state_dict(), obs=obs, global_step=global_step, iteration=iteration,
-                    fill_start=fill_start, replay_buffer=replay.state_dict() if args.save_buffer else None)
-
-    def evaluate():  # the squashed mean, from the same start states every time
-        return leanrl.evaluate(partial(deterministic_action, sac.actor_inference), eval_envs, args.seed + 10_000)
+        return dict(leanrl.state_of(sac.parts()), envs=envs.state_dict(), obs=obs, global_step=global_step,
+                    iteration=iteration, fill_start=fill_start,
+                    replay_buffer=replay.state_dict() if args.save_buffer else None)
 
     eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
+    evaluate = partial(leanrl.evaluate, partial(deterministic_action, sac.actor_inference), eval_envs,
+                       args.seed + 10_000)  # the squashed mean, from the same start states every time
     critic_out = actor_out = None  # the last update outputs, read at log boundaries
     with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
@@ -358,8 +329,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
-            if on_iteration is not None:
-                on_iteration(iteration, global_step)
+            if on_iteration is not None and on_iteration(iteration, global_step):
+                break  # the caller ends the run here
         if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
             logger.record({"charts/eval_return": evaluate()})
             logger.flush()

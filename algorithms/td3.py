@@ -27,7 +27,7 @@ from leanrl.replay import burn_in, check_replay_args
 
 
 @dataclass
-class Args(leanrl.RunArgs):
+class Args(leanrl.EvalArgs, leanrl.RunArgs):
     env_id: str = "HalfCheetah-v5"
     """the id of the environment (continuous actions)"""
     num_envs: int = 1
@@ -58,13 +58,6 @@ class Args(leanrl.RunArgs):
     """include the replay buffer in checkpoints (all of its storage: about 160 MB for HalfCheetah at 1e6). Off by
     default, so that a checkpoint stays small and quick to write; a run resumed without it refills the buffer with
     the restored policy and updates again after learning_starts new steps"""
-    eval_every: int = 0
-    """run a deterministic evaluation (charts/eval_return) every this many env steps, and at the end (0: never)"""
-    eval_episodes: int = 10
-    """episodes per evaluation (one per env of the evaluation env)"""
-    capture_video: bool = False
-    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
-    even without --eval-every; resuming a finished run with it records the trained agent)"""
     log_every: int = 1000
     """read metrics to the host every this many iterations (vector env steps)"""
     checkpoint_every: int = 50_000
@@ -139,17 +132,9 @@ class TD3:
         self.q_optimizer = leanrl.make_adam(list(self.q_named.values()), args.learning_rate, **accel.flags)
         self.actor_optimizer = leanrl.make_adam(list(self.actor_named.values()), args.learning_rate, **accel.flags)
 
-    def state_dict(self):
-        return dict(actor=self.actor.state_dict(), q_params=self.q_params.data.to_dict(),
-                    targets=self.targets.to_dict(), q_optimizer=self.q_optimizer.state_dict(),
-                    actor_optimizer=self.actor_optimizer.state_dict())
-
-    def load_state_dict(self, state):  # in place, so every address a captured graph holds stays valid
-        self.actor.load_state_dict(state["actor"])
-        self.q_params.data.update_(state["q_params"])
-        self.targets.update_(state["targets"])
-        leanrl.load_optimizer_state(self.q_optimizer, state["q_optimizer"])
-        leanrl.load_optimizer_state(self.actor_optimizer, state["actor_optimizer"])
+    def parts(self) -> dict:  # what a checkpoint keeps (leanrl.state_of), loaded in place (leanrl.load_in_place)
+        return dict(actor=self.actor, q_params=self.q_params.data, targets=self.targets, q_optimizer=self.q_optimizer,
+                    actor_optimizer=self.actor_optimizer)
 
 
 # ------------------------------------------------------------------------------ acting and learning
@@ -227,8 +212,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     """Run TD3 to `args.total_timesteps`, from a checkpoint when `args.resume` names one. `make_eval_envs(
     video_folder=...)` builds the `args.eval_episodes` envs that evaluations run in (`video_folder`: where the first
     one records its episodes, with --capture-video; else None). `on_iteration(iteration, global_step)`, when given,
-    is called after every iteration (the benchmarks time the loop with it). Returns the learner, its replay buffer,
-    the counters and the last logged values."""
+    is called after every iteration, and a true return ends the run there (benchmarks time the loop with it).
+    Returns the learner, its replay buffer, the counters and the last logged values."""
     num_iterations = check_args(args)
     obs_space, act_space = envs.single_observation_space, envs.single_action_space
     check_box_spaces("TD3", obs_space, act_space)
@@ -240,22 +225,14 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     td3 = TD3(obs_space, act_space, args, device)
     leanrl.set_threads(args.threads, td3.actor, td3.q_params)  # before the first compiled call
-    replay = leanrl.Replay(args.buffer_size, args.batch_size, dict(
-        obs=(obs_space.shape, torch.float32), action=(act_space.shape, torch.float32), reward=((), torch.float32),
-        next_obs=(obs_space.shape, torch.float32), terminated=((), torch.bool)), device)
+    replay = leanrl.Replay.of_transitions(args, obs_space, act_space, device)
     global_step = iteration = fill_start = 0
     if resumed:
         leanrl.restore_rng(resumed)
-        td3.load_state_dict(resumed)
+        leanrl.load_in_place(td3.parts(), resumed)
         global_step, iteration = resumed["global_step"], resumed["iteration"]
         obs = leanrl.restore_envs(envs, resumed["envs"], resumed["obs"], seed=args.seed + global_step)
-        if resumed["replay_buffer"] is not None:
-            replay.load_state_dict(resumed["replay_buffer"])
-            fill_start = resumed["fill_start"]
-        else:  # a resumed run without its buffer updates again once learning_starts new transitions are stored
-            print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
-                  "with the restored policy and updates again once learning_starts new transitions are stored.")
-            fill_start = global_step
+        fill_start = leanrl.restore_replay(replay, resumed)
     else:
         obs = envs.reset(seed=args.seed)
     # The SPS clock starts once every function has been compiled and captured: the actor's WARMUP + 1 calls.
@@ -270,20 +247,22 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     losses = [(partial(critic_loss, td3, args, accel.cpu_compile), td3.q_named, td3.q_optimizer),  # (twin_q's looped)
               (partial(actor_loss, td3), td3.actor_named, td3.actor_optimizer)]
     if accel.cpu_compile:  # a CPU has no graphs: the learner's step one compiled graph, its gradient steps functions
-        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=dict(fullgraph=True))
+        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=leanrl.ONE_GRAPH)
     else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
         steps, graph = [partial(gradient_step, loss, params, optimizer) for loss, params, optimizer in losses], {}
     step = partial(learn, td3, replay, logger, steps, args.tau)
+    variants = (("fill", False, False), ("learn_critic", True, False), ("learn", True, True))
     fill, learn_critic, learn_all = (accel(partial(step, update=update, delayed=delayed), name=name, **graph)
-                                     for name, update, delayed in (("fill", False, False), ("learn_critic", True, False),
-                                                                   ("learn", True, True)))
+                                     for name, update, delayed in variants)
     # ----
 
     def checkpoint_state():
-        return dict(td3.state_dict(), envs=envs.state_dict(), obs=obs, global_step=global_step, iteration=iteration,
-                    fill_start=fill_start, replay_buffer=replay.state_dict() if args.save_buffer else None)
+        return dict(leanrl.state_of(td3.parts()), envs=envs.state_dict(), obs=obs, global_step=global_step,
+                    iteration=iteration, fill_start=fill_start,
+                    replay_buffer=replay.state_dict() if args.save_buffer else None)
 
     eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
+    evaluate = partial(leanrl.evaluate, td3.actor_inference, eval_envs, args.seed + 10_000)  # same start states
     critic_out = actor_out = None  # the last update outputs, read at log boundaries
     with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
@@ -301,7 +280,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
 
             if args.eval_every and leanrl.crossings(before, global_step, args.eval_every) and \
                     iteration < num_iterations:
-                logger.record({"charts/eval_return": leanrl.evaluate(td3.actor_inference, eval_envs, args.seed + 10_000)})
+                logger.record({"charts/eval_return": evaluate()})
             logger.end_iteration(global_step)
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 for names, values in ((CRITIC_METRICS, critic_out), (ACTOR_METRICS, actor_out)):
@@ -310,10 +289,10 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
                 logger.flush()  # the one device-to-host read of a log boundary
             if args.checkpoint_every and iteration % args.checkpoint_every == 0:
                 leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)
-            if on_iteration is not None:
-                on_iteration(iteration, global_step)
+            if on_iteration is not None and on_iteration(iteration, global_step):
+                break  # the caller ends the run here
         if eval_envs:  # the trained policy, also when a finished run is resumed only to evaluate or film it
-            logger.record({"charts/eval_return": leanrl.evaluate(td3.actor_inference, eval_envs, args.seed + 10_000)})
+            logger.record({"charts/eval_return": evaluate()})
             logger.flush()
             eval_envs.close()
         leanrl.save_checkpoint(ckpt_path, checkpoint_state(), args)

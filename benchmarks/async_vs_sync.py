@@ -13,7 +13,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ import torch  # noqa: E402
 from leanrl.algorithms import ppo, ppo_async  # noqa: E402
 from leanrl.envs import make_env  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
 
 

@@ -28,11 +28,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from measure import cpu_line, machine_info  # noqa: E402
+from measure import cpu_line, machine_info
 
 # CleanRL ppo.py's defaults, in scripts/ppo_cartpole.py's flags (the reference takes the ones it varies).
 CLEANRL = ["--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "4", "--learning-rate", "2.5e-4",

@@ -6,58 +6,126 @@ envs, the few `Args` the benchmark changes, tiny sizes for `--quick`, and `calls
 functions with inputs of the run's shapes, for per-call timing. Adding an algorithm is one entry here.
 """
 
-import os
-import sys
+import tempfile
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import torch
 from tensordict import from_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the scripts' DEFAULTS are imported from the checkout's scripts/
-
-import leanrl  # noqa: E402
-from leanrl.algorithms import dqn, ppo, sac, td3  # noqa: E402
-from leanrl.envs import make_env  # noqa: E402
-from leanrl.offpolicy import box_calls, make_envs  # noqa: E402
-from scripts import (dqn_atari, dqn_cartpole, ppo_atari, ppo_cartpole, ppo_continuous, sac_continuous,  # noqa: E402
-                     td3_continuous)
+import leanrl
+from leanrl.algorithms import dqn, ppo, sac, td3
+from leanrl.envs import make_env
+from leanrl.scripts import (dqn_atari, dqn_cartpole, ppo_atari, ppo_cartpole, ppo_continuous, sac_continuous,
+                            td3_continuous)
 
 # mode -> (compile, cudagraphs), the flags every script takes
 MODES = {"eager": (False, False), "compile": (True, False), "cudagraphs": (False, True),
          "compile+cudagraphs": (True, True)}
 
+# The per-call functions are bound from each algorithm's public functions as its `train` binds them (its block
+# "how each phase runs"): what a run calls, on a run's shapes.
+
 
 def ppo_calls(args, envs, device) -> dict:
-    """PPO's policy and update, built from ppo.py's pieces as its `train` builds them, on its storage's shapes."""
-    agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device)
-    leanrl.set_threads(args.threads, agent, quiet=True)  # as train does
+    """PPO's policy (one env step's action) and one minibatch's update."""
     agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
+    leanrl.set_threads(args.threads, agent_inference, quiet=True)
+    agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device)
     from_module(agent).data.to_module(agent_inference)
-    wrap = leanrl.wrap_flags(args, device)
-    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **wrap)
-    policy = leanrl.accelerate(ppo.make_policy(agent_inference), name="policy", **wrap)
-    update = leanrl.accelerate(ppo.make_update(agent, optimizer, args), name="update", **wrap)
+    agent_inference.requires_grad_(False)
+    accel = leanrl.Acceleration.of(args, device)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **accel.flags)
+    loss = partial(ppo.ppo_loss, clip_coef=torch.tensor(args.clip_coef, device=device), clip_vloss=args.clip_vloss,
+                   norm_adv=args.norm_adv, ent_coef=args.ent_coef, vf_coef=args.vf_coef)
+    policy = accel(partial(ppo.policy, agent_inference), name="policy")
+    update = accel(partial(ppo.update, agent, optimizer, loss, args.max_grad_norm), name="update")
     mb = ppo.make_storage(envs, args, device).reshape(-1)[:args.num_envs * args.num_steps // args.num_minibatches]
+    obs, noise = envs.reset(seed=args.seed), ppo.draw_noise(envs, 1, device)[0][0]
+    return dict(policy=(policy, (obs, noise)), update=(update, (
+        mb["obs"], mb["actions"], mb["logprobs"], torch.randn_like(mb["values"]), torch.randn_like(mb["values"]),
+        mb["values"])))
+
+
+def scratch_logger(args, device) -> leanrl.Logger:
+    """A Logger for a learner's episode statistics outside a run."""
+    return leanrl.Logger(tempfile.mkdtemp(prefix="leanrl-calls-"), {}, 1, progress=False, summary=False,
+                         device=device)
+
+
+def box_calls(module, args, envs, device) -> dict:
+    """TD3's or SAC's policy and its learner's full step (store, sample, the critic's and the actor's gradient
+    steps, the targets' move) on a buffer of one batch."""
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    name = module.__name__.rsplit(".", 1)[-1]
+    learner = (td3.TD3 if module is td3 else sac.SAC)(obs_space, act_space, args, device)
+    leanrl.set_threads(args.threads, learner.actor, learner.q_params, quiet=True)
+    replay = leanrl.Replay.of_transitions(args, obs_space, act_space, device)
+    logger = scratch_logger(args, device)
+    accel = leanrl.Acceleration.of(args, device)
+    why = "one observation at a time, compiling costs more than it saves"
+    if module is td3:
+        policy = partial(td3.explore, learner, args.exploration_noise)
+        losses = [(partial(td3.critic_loss, learner, args, accel.cpu_compile), learner.q_named, learner.q_optimizer),
+                  (partial(td3.actor_loss, learner), learner.actor_named, learner.actor_optimizer)]
+    else:
+        policy = lambda obs: sac.sample_action(learner.actor_inference, obs)[0]  # noqa: E731
+        losses = [(partial(sac.critic_loss, learner, args.gamma, accel.cpu_compile), learner.q_named,
+                   learner.q_optimizer),
+                  (partial(sac.actor_loss, learner, accel.cpu_compile), learner.actor_named, learner.actor_optimizer)]
+        if args.autotune:
+            losses.append((partial(sac.alpha_loss, learner), {"log_alpha": learner.log_alpha},
+                           learner.alpha_optimizer))
+    policy = accel.eager_on_cpu(f"{name.upper()}'s policy", why)(policy, name="policy")
+    if accel.cpu_compile:
+        steps, graph = [leanrl.functional_step(*loss) for loss in losses], dict(compile_kwargs=leanrl.ONE_GRAPH)
+    else:
+        steps, graph = [partial(module.gradient_step, *loss) for loss in losses], {}
+    hyper = args.tau if module is td3 else args
+    update = accel(partial(module.learn, learner, replay, logger, (*steps, None)[:3] if module is sac else steps,
+                           hyper, update=True, delayed=True), name="update", **graph)
     obs = envs.reset(seed=args.seed)
-    return dict(policy=(policy, (obs,)), update=(update, (mb["obs"], mb["actions"], mb["logprobs"],
-                                                          torch.randn_like(mb["values"]),
-                                                          torch.randn_like(mb["values"]), mb["values"])))
+    action = module.random_actions(learner, args.num_envs)
+    out = envs.step(action)
+    for _ in range(-(-args.batch_size // args.num_envs)):  # a batch in the buffer before the first sample
+        replay.extend(dict(obs=obs, action=action, reward=out["reward"], next_obs=out["final_obs"],
+                           terminated=out["terminated"]))
+    return {"policy": (policy, (obs,)), "update": (update, (obs, action, out))}
 
 
-def offpolicy_calls(learner_cls, benchmark_calls=box_calls):
-    def calls(args, envs, device):
-        learner = learner_cls(args, envs, device)
-        leanrl.set_threads(args.threads, learner.actor, learner.q_params, quiet=True)  # as train does
-        return benchmark_calls(learner, args, device)
-    return calls
-
-
-def dqn_calls(args, envs, device):
-    learner = dqn.DQN(args, envs, device)
-    leanrl.set_threads(args.threads, learner.q_network, quiet=True)  # as train does
-    return learner.benchmark_calls(args, envs.single_observation_space.shape, device)
+def dqn_calls(args, envs, device) -> dict:
+    """DQN's policy and its learner's step with one update (store, sample, the gradient step). Calling the policy
+    advances its step counter (and so epsilon), as acting would."""
+    obs_space, act_space = envs.single_observation_space, envs.single_action_space
+    learner = dqn.DQN(obs_space, act_space, args, device)
+    leanrl.set_threads(args.threads, learner.q_network, quiet=True)
+    replay = leanrl.Replay.of_transitions(args, obs_space, act_space, args.buffer_device or device, envs.obs_dtype,
+                                          (1, *obs_space.shape[1:]) if learner.frame_stack else None)
+    accel = leanrl.Acceleration.of(args, device)
+    policy = accel.eager_on_cpu("DQN's policy", "one observation at a time, compiling costs more than it saves")(
+        partial(dqn.policy, learner, args), name="policy")
+    if learner.frame_stack:
+        accel = accel.eager_on_cpu("DQN's CNN update", "compiled, its convolutions run slower than eager")
+    if replay.device != device:
+        gradient_step = accel(partial(dqn.gradient_step, learner, args), name="gradient_step")
+        fast = leanrl.Acceleration()
+    elif accel.cpu_compile:
+        gradient_step = leanrl.functional_step(partial(dqn.td_loss, learner, args), learner.q_named, learner.optimizer)
+        fast = accel
+    else:
+        gradient_step, fast = partial(dqn.gradient_step, learner, args), accel
+    graph = dict(compile_kwargs=leanrl.ONE_GRAPH) if fast.cpu_compile else {}
+    update = fast(partial(dqn.learn, learner, replay, scratch_logger(args, device), gradient_step, device, updates=1),
+                  name="update", **graph)
+    obs = envs.reset(seed=args.seed)
+    action = torch.randint(0, act_space.n, (args.num_envs,), device=device)
+    out = envs.step(action)
+    next_obs = out["final_obs"][:, -1:] if learner.frame_stack else out["final_obs"]
+    for _ in range(-(-args.batch_size // args.num_envs)):
+        replay.extend(dict(obs=obs, action=action, reward=out["reward"], next_obs=next_obs,
+                           terminated=out["terminated"]))
+    return {"policy": (policy, (obs,)), "update": (update, (obs, action, out))}
 
 
 @dataclass(frozen=True)
@@ -95,7 +163,8 @@ def plain_envs(*fields):
 
 
 def raw_envs(args, device):
-    return make_envs(args, args.num_envs, device, args.seed, raw=True)
+    """The off-policy scripts' envs: without running normalization of observations and rewards, as CleanRL's."""
+    return make_env(args.env_id, args.num_envs, device=device, seed=args.seed, normalize=False)
 
 
 # Cheapest first: a run cut short by a time limit keeps the most entries (results are saved after each).
@@ -106,9 +175,9 @@ ENTRIES = {
                           quick=dict(num_steps=16, update_epochs=2)),
     "dqn_cartpole": Entry(dqn, dqn_cartpole.DEFAULTS, plain_envs(), dqn_calls, overrides=dict(learning_starts=128),
                           quick=dict(batch_size=32, learning_starts=32)),
-    "td3_continuous": Entry(td3, td3_continuous.DEFAULTS, raw_envs, offpolicy_calls(td3.TD3),
+    "td3_continuous": Entry(td3, td3_continuous.DEFAULTS, raw_envs, partial(box_calls, td3),
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
-    "sac_continuous": Entry(sac, sac_continuous.DEFAULTS, raw_envs, offpolicy_calls(sac.SAC),
+    "sac_continuous": Entry(sac, sac_continuous.DEFAULTS, raw_envs, partial(box_calls, sac),
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
     "ppo_atari": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
                        quick=dict(num_envs=2, num_steps=16)),

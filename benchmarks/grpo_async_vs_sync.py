@@ -22,18 +22,20 @@ import glob
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import tyro
 
 import leanrl
 from leanrl.algorithms import grpo, grpo_async
+from leanrl.envs.llm_tasks import make_task
+from leanrl.llm import tasks
+from leanrl.llm.warm_start import load_policy
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import cpu_line, machine_info  # noqa: E402
+from measure import cpu_line, machine_info
 
 HELD_OUT_SEEDS = (123, 7, 99)  # sampling seeds of each run's held-out solve rate
 
@@ -70,13 +72,14 @@ class Bench:
 
 def held_out_solve_rate(args, state, num_prompts=64, seeds=(123,)) -> float:
     """Mean solve rate on the same `num_prompts` held-out prompts, `group_size` samples each, once per sampling seed."""
-    task, model, tokenizer, _ = grpo.load_policy(args, leanrl.resolve_device(args.device))
+    task = make_task(args.task)
+    model, tokenizer, _ = load_policy(args, task, leanrl.resolve_device(args.device))
     model.load_state_dict(state)
     rates = []
     for seed in seeds:
         sampler = grpo.make_sampler(model, tokenizer, args, seed=seed)
         batch = sampler.make_batch(num_prompts * args.group_size)
-        rates.append(grpo.held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size))
+        rates.append(tasks.held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size))
     return statistics.mean(rates)
 
 
@@ -106,16 +109,15 @@ def summarize(rows, args, wall_s, target) -> dict:
 def run_variants(bench: Bench, base) -> dict:
     """Each variant `repeats` times in turns; the last run's summary with every run's tokens/s and held-out solve rate,
     and the median and mean of those."""
-    variants = {"sync": (replace(base, exp_name="bench_sync"), bench.threads),
-                "sync, all cores": (replace(base, exp_name="bench_sync_all"), os.cpu_count()),
-                **{f"async, max_lag {lag}": (replace(base, exp_name=f"bench_async_lag{lag}", async_=True, max_lag=lag),
-                                             bench.threads) for lag in bench.max_lags}}
+    variants = {"sync": replace(base, exp_name="bench_sync", threads=bench.threads),
+                "sync, all cores": replace(base, exp_name="bench_sync_all", threads=os.cpu_count()),
+                **{f"async, max_lag {lag}": replace(base, exp_name=f"bench_async_lag{lag}", async_=True, max_lag=lag,
+                                                    threads=bench.threads) for lag in bench.max_lags}}
     runs = {name: [] for name in variants}
     for _ in range(bench.repeats):
-        for name, (args, threads) in variants.items():
-            torch.set_num_threads(threads)
+        for name, args in variants.items():
             t0 = time.perf_counter()
-            (grpo_async.train if args.async_ else grpo.train)(args)
+            (grpo_async.train if args.async_ else grpo.train)(args, partial(make_task, args.task))
             wall = time.perf_counter() - t0
             (path,) = sorted(glob.glob(f"{bench.run_dir}/*__{args.exp_name}__*"))[-1:]
             rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]
@@ -124,7 +126,7 @@ def run_variants(bench: Bench, base) -> dict:
     results = {}
     for name, variant in runs.items():
         result, args, path = variant[-1]
-        result["threads"] = variants[name][1]
+        result["threads"] = variants[name].threads
         result["trained_tokens_per_s_runs"] = [r["trained_tokens_per_s"] for r, _, _ in variant]
         result["trained_tokens_per_s"] = statistics.median(result["trained_tokens_per_s_runs"])
         result["held_out_solve_rate_runs"] = [

@@ -15,9 +15,9 @@ Writes benchmarks/results/<machine>/grpo_learning_curve_<model>.{json,md,png} af
 import glob
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Literal
 
 import matplotlib
@@ -29,8 +29,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import leanrl  # noqa: E402
 from leanrl.algorithms import grpo  # noqa: E402
+from leanrl.envs.llm_tasks import make_task  # noqa: E402
+from leanrl.llm.warm_start import load_policy  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_async_vs_sync import held_out_solve_rate  # noqa: E402
 from measure import cpu_line, machine_info  # noqa: E402
 
@@ -88,7 +89,8 @@ def main(b: Bench):
     device = leanrl.resolve_device(b.device)
     eval_args = replace(args, compile=False, cudagraphs=False)
     t0 = time.perf_counter()
-    task, model, _, _ = grpo.load_policy(args, device)  # builds (or reads) the warm start
+    task = make_task(args.task)
+    model, _, _ = load_policy(args, task, device)  # builds (or reads) the warm start
     points = [dict(iteration=0, wall_s=0.0, warm_start_s=time.perf_counter() - t0,
                    held_out_solve_rate=held_out_solve_rate(eval_args, model.state_dict()))]
     print(points[-1], flush=True)
@@ -97,7 +99,7 @@ def main(b: Bench):
     for done in range(b.eval_every, b.iterations + 1, b.eval_every):
         chunk = replace(args, total_timesteps=done * B, resume=checkpoint)
         t0 = time.perf_counter()
-        grpo.train(chunk)
+        grpo.train(chunk, partial(make_task, chunk.task))
         wall += time.perf_counter() - t0
         (path,) = sorted(glob.glob(f"{b.run_dir}/*__{args.exp_name}__*"))[-1:]
         checkpoint = f"{path}/checkpoint.pt"

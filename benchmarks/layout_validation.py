@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -35,9 +34,8 @@ from leanrl import layout
 from leanrl.algorithms import ppo, ppo_async
 from leanrl.envs import make_env
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_vs_sync import make_slow_env  # noqa: E402
-from measure import machine_info  # noqa: E402
+from async_vs_sync import make_slow_env
+from measure import machine_info
 
 TICK = 1e-4  # the simulator's decode step for PPO: a rollout of d seconds is a "sequence" of d / TICK steps
 ENV_ID = "torch/CartPole-v1"
@@ -86,8 +84,12 @@ def collector_rollout(args, envs, seed):
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU).requires_grad_(False)
     storage = ppo.make_storage(envs, args, CPU)
     next_obs = envs.reset(seed=seed)
-    act = ppo.make_act(ppo.make_policy(agent), agent.get_value, envs.step, args)
-    return functools.partial(ppo.rollout, act, agent.get_value, envs, next_obs, storage, args), storage
+    step = functools.partial(ppo.act, functools.partial(ppo.policy, agent), agent.get_value, args, envs.step)
+
+    def rollout():
+        ppo.rollout(step, envs, next_obs, storage, args)
+        return ppo.bootstrap(agent.get_value, next_obs, storage, args)
+    return rollout, storage
 
 
 def rollout_times(median_ms, sigma, n, seed=7):
@@ -123,10 +125,14 @@ def trainer_time(epochs, n):
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU)
     agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
     from_module(agent).data.to_module(agent_inference)
-    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **leanrl.wrap_flags(args, CPU))
-    learn = ppo.make_learn(agent, optimizer, args, leanrl.wrap_flags(args, CPU), ppo_async.make_loss(args),
-                           ppo_async.MINIBATCH_KEYS)
-    logprob = ppo_async.make_logprob(agent_inference)
+    agent_inference.requires_grad_(False)
+    optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5,  # eager, as these runs train
+                                 **leanrl.Acceleration.of(args, CPU).flags)
+    loss = functools.partial(ppo_async.corrected_loss, correction=args.correction, is_clip=args.is_clip,
+                             clip_coef=torch.tensor(args.clip_coef), clip_vloss=args.clip_vloss,
+                             norm_adv=args.norm_adv, ent_coef=args.ent_coef, vf_coef=args.vf_coef)
+    update = functools.partial(ppo.update, agent, optimizer, loss, args.max_grad_norm)
+    logprob = functools.partial(ppo_async.logprob, agent_inference)
     storage = ppo.make_storage(envs, args, CPU)
     envs.close()
     times = []
@@ -138,7 +144,7 @@ def trainer_time(epochs, n):
         b = ppo.flat_batch(storage, advantages, returns)
         with torch.no_grad():
             b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
-        learn(b)
+        ppo.update_epochs(update, ppo_async.MINIBATCH_KEYS, b, ppo.minibatches(args, STEPS_PER_BATCH, CPU))
         times.append(time.perf_counter() - t0)
     return statistics.fmean(times[2:])  # the mean, as a run's throughput sees it
 

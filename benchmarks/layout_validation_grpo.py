@@ -29,10 +29,10 @@ import glob
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import tyro
@@ -42,10 +42,12 @@ from tensordict import from_module
 import leanrl
 from leanrl import layout
 from leanrl.algorithms import grpo, grpo_async
+from leanrl.envs.llm_tasks import make_task
+from leanrl.llm.tasks import PromptStream, score
+from leanrl.llm.warm_start import load_policy
 from leanrl.pipeline.weights import WeightRing
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import machine_info  # noqa: E402
+from measure import machine_info
 
 CPU = torch.device("cpu")
 
@@ -85,8 +87,9 @@ def grpo_args(mode, slots, max_lag, epochs, iterations, run_dir):
 
 def calibrate_sampler(args, slots, fills):
     """Seconds per decode step and per started sequence at `slots` slots, and the completion lengths sampled."""
-    task, model, tokenizer, _ = grpo.load_policy(args, CPU)
-    prompts = grpo.PromptStream(task, tokenizer, seed=-7)
+    task = make_task(args.task)
+    model, tokenizer, _ = load_policy(args, task, CPU)
+    prompts = PromptStream(task, tokenizer, seed=-7)
     sampler = grpo.make_sampler(model, tokenizer, args, num_slots=slots)
     batch = sampler.make_batch(args.num_prompts * args.group_size)
     started = [0.0]
@@ -111,10 +114,11 @@ def calibrate_sampler(args, slots, fills):
 def busy_collector(args, started, stop):
     """What an async run's collector process does to the trainer's cores: sampler fills (one torch thread)."""
     torch.set_num_threads(1)
-    task, model, tokenizer, _ = grpo.load_policy(args, CPU)
+    task = make_task(args.task)
+    model, tokenizer, _ = load_policy(args, task, CPU)
     sampler = grpo.make_sampler(model, tokenizer, args)
     batch = sampler.make_batch(args.num_prompts * args.group_size)
-    prompts = grpo.PromptStream(task, tokenizer, seed=-9)
+    prompts = PromptStream(task, tokenizer, seed=-9)
     while not stop.is_set():
         sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
         started.set()
@@ -126,11 +130,12 @@ def calibrate_trainer(args, updates):
     Logger's record and flush: the runs log every batch), publishing the weights (the pipeline's `WeightRing`, async
     only) and scoring (sync only: in async the collector scores). Async times them while a collector process
     samples, as it does in the run: on 2 cores it slows the update."""
-    task, model, tokenizer, _ = grpo.load_policy(args, CPU)
+    task = make_task(args.task)
+    model, tokenizer, _ = load_policy(args, task, CPU)
     learner = grpo.Learner(model, args, CPU, max_lag=args.max_lag)
     sampler = grpo.make_sampler(model, tokenizer, args)
     batch = sampler.make_batch(args.num_prompts * args.group_size)
-    prompts = grpo.PromptStream(task, tokenizer, seed=-8)
+    prompts = PromptStream(task, tokenizer, seed=-8)
     params = from_module(model).data
     ring = WeightRing(params, args.max_lag + 1, shared=True)
     times = {k: [] for k in ("score_s", "update_s", "publish_s", "log_s")}
@@ -147,7 +152,7 @@ def calibrate_trainer(args, updates):
             sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
             t0 = time.perf_counter()
             host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-            rewards = grpo.score(task, tokenizer, host, -8)
+            rewards = score(task, tokenizer, host, -8)
             t1 = time.perf_counter()
             metrics = learner.update(batch, rewards, 0)
             t2 = time.perf_counter()
@@ -181,7 +186,7 @@ def hist_mean(rows, prefix):
 
 def measured_run(args):
     t0 = time.perf_counter()
-    (grpo_async.train if args.async_ else grpo.train)(args)
+    (grpo_async.train if args.async_ else grpo.train)(args, partial(make_task, args.task))
     wall = time.perf_counter() - t0
     path = sorted(glob.glob(f"{args.run_dir}/*__{args.exp_name}__*"))[-1]
     rows = [json.loads(line) for line in open(f"{path}/metrics.jsonl")]

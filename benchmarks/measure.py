@@ -154,7 +154,7 @@ def machine_info(device) -> dict:
 def installed_version(pkg: str) -> str | None:
     try:
         return version(pkg)
-    except PackageNotFoundError:  # an optional extra (torchrl comes with leanrl[offpolicy])
+    except PackageNotFoundError:  # an optional extra (torchrl comes with leanrl[dev])
         return None
 
 

@@ -7,8 +7,8 @@ peak memory; on GPU also
 the fraction of the wall time the GPU is busy. It writes to benchmarks/results/<machine>/: results.json
 (machine, settings, every figure, the targets), a markdown table and a PNG chart per entry, summary.md;
 the summary is printed at the end. Entries measured by an earlier run into the same folder are kept, so
-a long suite can be split across calls with --algos. `python benchmarks/readme_tables.py` puts the
-summaries into README.md.
+a long suite can be split across calls with --algos. `python benchmarks/docs_tables.py` links each machine's
+summary from docs/performance.md.
 
 `--quick` is a first look in about a minute: one entry per family (PPO on the on-device CartPole, DQN, TD3) at tiny
 sizes with short timings, written to a temporary folder unless --out names one (its figures are not the tables').
@@ -27,15 +27,13 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
 
-import targets  # noqa: E402
-from entries import ENTRIES, MODES, SCALING, make_args  # noqa: E402
-from leanrl import resolve_device  # noqa: E402
-from measure import machine_info  # noqa: E402
-from report import summary_markdown, write_all  # noqa: E402
+import targets
+from entries import ENTRIES, MODES, SCALING, make_args
+from leanrl import resolve_device
+from measure import machine_info
+from report import summary_markdown, write_all
 
 NO_CUDA = dict(status="n/a", label="no CUDA", reason="no CUDA device: --cudagraphs falls back to eager plus a "
                "shape guard here, so this machine has no CUDA-graph figure")

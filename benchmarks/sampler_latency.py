@@ -13,7 +13,6 @@ for the first model, and the same per model under "models".
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ import leanrl  # noqa: E402
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model  # noqa: E402
 from leanrl.llm.models import NAMED_MODELS  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine_info  # noqa: E402
 
 # name -> save_tiny_model arguments (head_dim >= 32 so vLLM's CPU backend can run the same models)

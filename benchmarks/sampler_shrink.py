@@ -14,7 +14,6 @@ Writes benchmarks/results/<machine>/sampler_shrink.{json,md}.
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -24,10 +23,9 @@ import tyro
 
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import machine_info  # noqa: E402
-from sampler_latency import ALPHABET, MODELS  # noqa: E402
-from sampler_vs_vllm import prompt_stream  # noqa: E402
+from measure import machine_info
+from sampler_latency import ALPHABET, MODELS
+from sampler_vs_vllm import prompt_stream
 
 VARIANTS = {"neither": dict(shrink_steps=False, shrink_cache=False),
             "slots": dict(shrink_steps=True, shrink_cache=False),

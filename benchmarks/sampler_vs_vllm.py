@@ -17,7 +17,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -29,9 +28,8 @@ from tensordict import from_module
 
 from leanrl.llm import Sampler, char_tokenizer, load_model, save_tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import machine_info  # noqa: E402
-from sampler_latency import ALPHABET, MODELS  # noqa: E402
+from measure import machine_info
+from sampler_latency import ALPHABET, MODELS
 
 MODELS = {**MODELS, "50m": dict(family="llama", num_layers=8, hidden_size=768, num_heads=12, num_kv_heads=4,
                                 intermediate_size=2048)}

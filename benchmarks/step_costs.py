@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 
-import torch
 
 from entries import ENTRIES, MODES, make_args
 from measure import machine_info, sync

@@ -39,13 +39,7 @@ def log(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
 
-class Measured(Exception):
-    """Raised by the hook to end a training run once it has been timed."""
-
-    stop_reason = "the benchmark, once timed"  # the run summary's words, instead of "an error"
-
-
-class Run:
+class MeasuredMode:
     """One mode of the entry: its args, envs and accelerated functions, and its figures."""
 
     def __init__(self, name, mode, device, quick, run_dir, overrides):
@@ -88,7 +82,11 @@ class Run:
         captured on call WARMUP), with no sync inside a block; ends the run when timed. `handover()` runs
         before each block, untimed (another mode's block runs inside it)."""
         learning_starts = getattr(self.args, "learning_starts", -1)
-        burn_in = leanrl.WARMUP if self.graphs else 1
+        # the iterations in which every learner variant runs once (DQN updates every train_frequency env steps,
+        # TD3's and SAC's actors every policy_frequency): all have compiled and been captured before the clock starts
+        period = max(-(-getattr(self.args, "train_frequency", 1) // self.args.num_envs),
+                     getattr(self.args, "policy_frequency", 1))
+        burn_in = ((leanrl.WARMUP if self.graphs else 1) + 1) * period
         state = dict(after=None, t=None, step=None, seconds=0.0, steps=0, iterations=0, blocks=0)
         t_start = time.perf_counter()
 
@@ -113,14 +111,11 @@ class Run:
                 state["iterations"] += iteration - state["n"]
                 state["blocks"] += 1
                 if state["blocks"] == blocks:
-                    raise Measured
+                    return True  # ends the run
                 handover()
                 state.update(t=time.perf_counter(), step=global_step, n=iteration)
 
-        try:
-            self.entry.algorithm.train(self.args, self.envs, self.device, on_iteration=on_iteration)
-        except Measured:
-            pass
+        self.entry.algorithm.train(self.args, self.envs, self.device, on_iteration=on_iteration)
         if (growth := memory_growth_mb(self.device, self.mark)) is not None:
             self.result["memory_growth_mb"] = growth
         self.result.update(sps=state["steps"] / state["seconds"], train_iterations=state["iterations"])
@@ -201,7 +196,7 @@ def measure(name, modes, device, quick, repeats, **overrides) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             try:
-                runs[mode] = Run(name, mode, device, quick, os.path.join(tmp, mode), overrides)
+                runs[mode] = MeasuredMode(name, mode, device, quick, os.path.join(tmp, mode), overrides)
             except Exception as e:
                 traceback.print_exc()
                 results[mode] = dict(status="error", reason=f"setup: {type(e).__name__}: {e}"[:500])

@@ -1,11 +1,5 @@
-"""Environments: every env is a vector env with torch tensors in and out on the run's device.
-
-Interface (all families): `num_envs`, `device`, `single_observation_space`, `single_action_space`,
-`obs_dtype`, `reset(seed=None) -> obs`, `step(action) -> TensorDict` with keys next_obs, final_obs,
-reward, terminated, truncated, episode_return, episode_length (gymnasium's SAME_STEP autoreset:
-next_obs is already reset where the episode ended, final_obs is the true last obs),
-`state_dict()`, `load_state_dict(sd)` (what a checkpoint keeps), `statistics()`, `load_statistics(sd)` (what a
-policy trained on the envs needs in new ones: the normalizers' running statistics, {} for most envs), `close()`.
+"""Environments: every env is a `leanrl.VectorEnv` (leanrl/env.py: torch tensors in and out on the run's device),
+built by `make_env` from its id: Atari (ale-py), gymnasium and MuJoCo, and the torch/ envs stepped on the device.
 """
 import contextlib
 import difflib
@@ -46,10 +40,11 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
              **kwargs):
     """Build `num_envs` copies of `env_id` on `device`; `seed` seeds the first reset(). `module:EnvId` (gymnasium's
     form) imports the module first, from the Python path or the launch directory, to register EnvId. `normalize`:
-    False for raw observations and rewards (TD3 and SAC, as CleanRL's); only gymnasium's continuous-action envs
-    normalize them (the Atari and torch envs never do). kwargs go to the family:
+    False for raw observations, rewards and actions (TD3 and SAC, as CleanRL's); only gymnasium's continuous-action
+    envs normalize them and clip actions (the Atari and torch envs never do). kwargs go to the family:
     Atari: episodic_life=True, sticky_actions=False, plus AtariVectorEnv's own (e.g. num_threads);
-    gymnasium: normalize_obs, normalize_reward, gamma, plus gymnasium.make's; torch: dtype (of the state).
+    gymnasium: normalize_obs, normalize_reward, clip_action, gamma, plus gymnasium.make's; torch: dtype (of the
+    state).
     `video_folder` (a folder, made if missing): sub-env 0 renders rgb_array frames and gymnasium's RecordVideo
     writes every one of its episodes that ends there as an mp4; nothing else changes (the same observations,
     rewards and episode statistics for the same seed). Atari then runs on gymnasium's ALE envs (AtariVectorEnv cannot
@@ -81,6 +76,6 @@ def make_env(env_id: str, num_envs: int, device="cpu", seed: int = 0, video_fold
         from .gym import GymEnv
 
         if not normalize:
-            kwargs.update(normalize_obs=False, normalize_reward=False)
+            kwargs.update(normalize_obs=False, normalize_reward=False, clip_action=False)
         return GymEnv(env_id, num_envs, device, seed, **kwargs)
     raise unknown_env_id(env_id)

@@ -17,8 +17,8 @@ For the same seed and actions the two paths give the same observations, rewards,
 statistics, sticky actions included (tests/test_envs.py checks it step for step; the noop counts follow
 libstdc++'s std::uniform_int_distribution, which ale-py's Linux wheels use). What differs is the cost:
 the Python loop steps about twice as slow as the C++ one, sub-env 0 keeps each frame (100 KB) in memory until
-its episode ends, and writing the mp4 (moviepy, which RecordVideo needs; the resize needs opencv) takes about
-a second per 1000 frames on 2 cores, within the step that ends the episode.
+its episode ends, and writing the mp4 (moviepy, which RecordVideo needs; the resize needs opencv) happens within
+the step that ends the episode.
 """
 import difflib
 import os
@@ -26,10 +26,9 @@ import os
 import gymnasium as gym
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from leanrl.cli import UsageError, missing_extra, require_extra
-from leanrl.gym_adapter import to_device
+from leanrl.gym_adapter import to_device, to_device_dict
 
 from .gym import RecordEndedEpisodes
 
@@ -79,7 +78,7 @@ class AtariEnv:
         self.game_length = np.zeros(self.num_envs, dtype=np.int64)
         return to_device(torch.from_numpy(obs), self.device)
 
-    def step(self, action: torch.Tensor) -> TensorDict:
+    def step(self, action: torch.Tensor) -> dict:
         obs, reward, terminated, truncated, info = self.env.step(action.cpu().numpy())
         game_over = terminated | truncated
         final_obs = obs.copy()
@@ -94,14 +93,12 @@ class AtariEnv:
         if self.episodic_life:  # the game continues after a lost life, so next_obs is the true next obs
             terminated = terminated | (info["lives"] < self.lives)
         self.lives = info["lives"]
-        td = TensorDict(
+        return to_device_dict(dict(
             next_obs=torch.from_numpy(obs), final_obs=torch.from_numpy(final_obs),
             reward=torch.from_numpy(reward.astype(np.float32)),
             terminated=torch.from_numpy(terminated), truncated=torch.from_numpy(truncated),
             episode_return=torch.from_numpy(episode_return.astype(np.float32)),
-            episode_length=torch.from_numpy(episode_length), batch_size=[self.num_envs], device="cpu",
-        )
-        return to_device(td, self.device)
+            episode_length=torch.from_numpy(episode_length)), self.device)
 
     def statistics(self) -> dict:
         return {}  # nothing is normalized

@@ -48,13 +48,15 @@ def _quiet_mujoco():
 class GymEnv(TorchVectorEnv):
     def __init__(self, env_id: str, num_envs: int, device="cpu", seed: int = 0,
                  normalize_obs: bool | None = None, normalize_reward: bool | None = None,
-                 gamma: float = 0.99, clip: float = 10.0, video_folder=None, **make_kwargs):
-        """normalize_obs / normalize_reward default to True for Box action spaces, False otherwise;
-        off-policy methods (TD3, SAC) pass False. `gamma` is the reward normalizer's discount.
-        `video_folder`: record every episode of sub-env 0 there as mp4 (see above)."""
+                 clip_action: bool | None = None, gamma: float = 0.99, clip: float = 10.0, video_folder=None,
+                 **make_kwargs):
+        """normalize_obs / normalize_reward / clip_action default to True for Box action spaces, False otherwise;
+        off-policy methods (TD3, SAC, whose actions are in the bounds already) pass False, as CleanRL's. `gamma` is
+        the reward normalizer's discount. `video_folder`: record every episode of sub-env 0 there as mp4 (see
+        above)."""
         if "mujoco" in str(gym.spec(env_id).entry_point):
             _quiet_mujoco()
-        try:  # on 2 cores Sync beats Async
+        try:  # sync: on a few cores, worker processes cost more than they overlap
             if video_folder is None:
                 env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                    vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **make_kwargs)
@@ -71,7 +73,7 @@ class GymEnv(TorchVectorEnv):
         normalize_obs = continuous if normalize_obs is None else normalize_obs
         normalize_reward = continuous if normalize_reward is None else normalize_reward
         env = vector_wrappers.RecordEpisodeStatistics(env)  # innermost: raw returns
-        if continuous:
+        if continuous if clip_action is None else clip_action:
             env = vector_wrappers.ClipAction(env)
         self.reward_norm = None
         if normalize_reward:

@@ -13,7 +13,6 @@ import math
 import numpy as np
 import torch
 from gymnasium.spaces import Box, Discrete
-from tensordict import TensorDict
 
 # gymnasium/envs/classic_control/cartpole.py
 GRAVITY, MASS_CART, MASS_POLE, HALF_LENGTH, FORCE_MAG, TAU = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
@@ -120,11 +119,11 @@ class TorchEnv:
             terminated=terminated, truncated=truncated,
             episode_return=torch.where(done, episode_return, 0.0), episode_length=torch.where(done, steps, 0))
 
-    def step(self, action: torch.Tensor, reset_noise: torch.Tensor | None = None) -> TensorDict:
+    def step(self, action: torch.Tensor, reset_noise: torch.Tensor | None = None) -> dict:
         """One step of every env; auto-reset states from `reset_noise` (one step of `reset_noise()`), or drawn."""
         next_carry, out = self.transition(self.carry, action, reset_noise)
         self.set_carry(next_carry)
-        return TensorDict(out, batch_size=[self.num_envs], device=self.device)
+        return out
 
     def set_carry(self, carry) -> None:
         for mine, new in zip(self.carry, carry):

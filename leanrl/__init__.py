@@ -2,20 +2,20 @@
 these tools (nothing here calls back into an algorithm).
 
 Each name loads its module on first use, so the commands that need no torch (`python -m leanrl.plot`,
-`scripts/plan_layout.py`) start in about a second, not four (torch and tensordict's imports, 2-core CPU)."""
+`scripts/plan_layout.py`) start without waiting for torch's and tensordict's imports."""
 
 import importlib
 
 _MODULE_OF = {
-    **dict.fromkeys(["WARMUP", "Acceleration", "ShapeChangeError", "ShapeGuard", "accelerate"], "graphs"),
+    **dict.fromkeys(["ONE_GRAPH", "WARMUP", "Acceleration", "ShapeChangeError", "ShapeGuard", "accelerate"], "graphs"),
     "sync_cuda": "graph_threads",
     **dict.fromkeys(["FunctionalAdam", "functional_step", "load_optimizer_state", "make_adam"], "optim"),
     **dict.fromkeys(["scan_env_steps", "scan_gradient_steps"], "scan"),
-    "Replay": "replay",
+    "EvalArgs": "run", "Replay": "replay", "restore_replay": "replay",
     "VectorEnv": "env",
     "effective_sample_size": "importance",
-    **dict.fromkeys(["CheckpointError", "load_checkpoint", "restore_rng", "save_checkpoint", "save_on_interrupt"],
-                    "checkpoint"),
+    **dict.fromkeys(["CheckpointError", "load_checkpoint", "load_in_place", "restore_rng", "save_checkpoint",
+                     "save_on_interrupt", "state_of"], "checkpoint"),
     **dict.fromkeys(["MissingExtra", "UsageError", "clean_exit", "import_user_module", "require_extra"], "cli"),
     **dict.fromkeys(["crossings", "evaluate", "open_eval_envs"], "evaluation"),
     "TorchVectorEnv": "gym_adapter",

@@ -11,10 +11,12 @@ from dataclasses import MISSING, asdict, fields
 
 import numpy as np
 import torch
+from tensordict import is_tensor_collection
 from tqdm import tqdm
 
 from leanrl.cli import UsageError, raise_on_sigterm
 from leanrl.config import HARMLESS_FLAGS
+from leanrl.optim import load_optimizer_state
 
 
 class CheckpointError(UsageError):
@@ -47,6 +49,28 @@ def algorithm_of(args) -> str:
     the algorithm's), e.g. 'ppo_async', 'td3'."""
     module = next(c.__module__ for c in type(args).__mro__ if c.__module__ != "__main__")
     return module.rsplit(".", 1)[-1]
+
+
+def state_of(parts: dict) -> dict:
+    """A learner's checkpoint entries: `parts` {name: module, optimizer, TensorDict or tensor; None: absent}, each
+    as its state dict (a TensorDict as a dict, a tensor detached)."""
+    return {name: x if x is None else x.to_dict() if is_tensor_collection(x) else
+            x.detach() if isinstance(x, torch.Tensor) else x.state_dict() for name, x in parts.items()}
+
+
+@torch.no_grad()
+def load_in_place(parts: dict, state: dict) -> None:
+    """`state_of`'s entries back into the same `parts`, in place, so that every address a captured graph holds stays
+    valid (an optimizer keeps its tensor learning rate: `load_optimizer_state`)."""
+    for name, x in parts.items():
+        if isinstance(x, torch.optim.Optimizer):
+            load_optimizer_state(x, state[name])
+        elif is_tensor_collection(x):
+            x.update_(state[name])
+        elif isinstance(x, torch.Tensor):
+            x.copy_(state[name])
+        elif x is not None:
+            x.load_state_dict(state[name])
 
 
 def save_checkpoint(path: str, state: dict, args=None) -> None:

@@ -97,14 +97,14 @@ def clean_exit():
     the run has saved its checkpoint and printed its summary), and bad input (`UsageError`: a flag, a model directory,
     a checkpoint it cannot resume) with its one-line error (exit code 2). Library code raises; scripts end cleanly.
     The objects that exist on entry (the imported modules, torch's above all) live until the process ends, so they
-    are frozen out of Python's cyclic garbage collector, whose full collections walked them for 0.3 s of an 8.5 s
-    compiled PPO CartPole run (2-core CPU); unfrozen on the way out, for a teardown that runs to free them (left
-    frozen, bindings such as ale-py's report leaks).
+    are frozen out of Python's cyclic garbage collector, whose full collections would walk them again and again for
+    nothing; unfrozen on the way out, for a teardown that runs to free them (left frozen, bindings such as ale-py's
+    report leaks).
     When the `with` is the top level of a script the interpreter runs (not under cProfile, coverage or runpy, which
     have work left after it), a run that completes ends the process there: what Python does at exit runs
     (non-daemon threads joined, atexit handlers, stdout and stderr flushed), then `os._exit(0)` skips the
-    interpreter's teardown, which frees every module's objects one by one: 1.1-1.4 s of a 9-12 s compiled PPO
-    CartPole run (2-core CPU). CPython's multiprocessing ends its child processes the same way."""
+    interpreter's teardown, which frees every module's objects one by one (a noticeable part of a short run; see
+    docs/performance.md). CPython's multiprocessing ends its child processes the same way."""
     script = sys._getframe(2).f_back is None  # frames: this generator, contextlib's __enter__, the `with`
     gc.freeze()
     previous = raise_on_sigterm()

@@ -8,10 +8,15 @@ Launch: `torchrun --nproc-per-node N script.py ...` (rank r of a node on GPU r; 
 CPU ones). Without torchrun, `from_torchrun` is a world of one and nothing is communicated.
 """
 
+import contextlib
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
+
+from leanrl.checkpoint import save_on_interrupt
+from leanrl.logger import Logger
 
 # Metrics that add up over the ranks' shares of a batch (counts, throughputs); `*_max`/`*_min` take the extreme,
 # every other metric is the mean over ranks.
@@ -40,6 +45,18 @@ class DataParallel:
         if not dist.is_initialized():
             dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         return cls(device, world, dist.get_rank())
+
+    def logging(self, args, run_dir: str, total_steps: int, start_step: int, checkpoint: str, state_fn, **kwargs):
+        """This rank's Logger (`Logger.from_args(..., **kwargs)`) and save-on-interrupt guard. Rank 0 logs the world's
+        metrics in run_dir and keeps the one checkpoint (the ranks' weights are equal); rank r > 0 logs its own share
+        under run_dir/rank<r> (its sample times show a straggler), quietly."""
+        if self.rank == 0:
+            logger = Logger.from_args(args, run_dir, total_steps, start_step=start_step, checkpoint=checkpoint, **kwargs)
+            return logger, save_on_interrupt(checkpoint, state_fn, args)
+        quiet = dataclasses.replace(args, track=False, progress=False)
+        kwargs.pop("return_metric", None)
+        return (Logger.from_args(quiet, os.path.join(run_dir, f"rank{self.rank}"), total_steps, start_step=start_step,
+                                 summary=False, **kwargs), contextlib.nullcontext())
 
     def total(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (a new tensor)."""

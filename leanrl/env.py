@@ -8,7 +8,6 @@ from typing import Protocol
 
 import gymnasium
 import torch
-from tensordict import TensorDict
 
 
 class VectorEnv(Protocol):
@@ -23,12 +22,12 @@ class VectorEnv(Protocol):
     def reset(self, seed: int | None = None) -> torch.Tensor:
         """Every env's first observation; `seed` (the constructor's, if None the first time) seeds it."""
 
-    def step(self, action: torch.Tensor) -> TensorDict:
-        """One step of every env: `next_obs`, `final_obs`, `reward`, `terminated`, `truncated`, `episode_return`,
-        `episode_length`. Auto-reset in the same step (gymnasium's SAME_STEP): `next_obs` is already reset where an
-        episode ended and `final_obs` is its true last observation (a truncated episode bootstraps from it).
-        `episode_return` and `episode_length` are the raw return and length where an episode ended (a whole Atari
-        game, all its lives) and 0 elsewhere: `episode_length > 0` is where one ended."""
+    def step(self, action: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One step of every env, a dict of tensors: `next_obs`, `final_obs`, `reward`, `terminated`, `truncated`,
+        `episode_return`, `episode_length`. Auto-reset in the same step (gymnasium's SAME_STEP): `next_obs` is already
+        reset where an episode ended and `final_obs` is its true last observation (a truncated episode bootstraps
+        from it). `episode_return` and `episode_length` are the raw return and length where an episode ended (a
+        whole Atari game, all its lives) and 0 elsewhere: `episode_length > 0` is where one ended."""
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the envs (an on-device env's whole state; a host env's normalizers)."""
@@ -51,7 +50,7 @@ class OnDeviceEnv(VectorEnv, Protocol):
     def reset_noise(self, num_steps: int) -> torch.Tensor:
         """The random numbers `num_steps` steps draw their auto-reset states from, drawn at once."""
 
-    def step(self, action: torch.Tensor, reset_noise: torch.Tensor | None = None) -> TensorDict: ...
+    def step(self, action: torch.Tensor, reset_noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
 
     @property
     def carry(self) -> tuple:

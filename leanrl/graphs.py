@@ -19,6 +19,10 @@ from leanrl.precompiled import Precompiled
 WARMUP = 2
 
 
+# `compile_kwargs` of a function a CPU compiles whole (an off-policy learner's step): one graph (`fullgraph`), its
+# kernels called from inductor's C++ wrapper, with no Python between them (torch 2.13's, which the tests run it on).
+ONE_GRAPH = dict(fullgraph=True, **(dict(options=dict(cpp_wrapper=True)) if torch_fixes.TORCH >= "2.13" else {}))
+
 def accelerate(fn, *, compile: bool = False, cudagraphs: bool = False, device="cpu", warmup: int = WARMUP,
                compile_kwargs: dict | None = None, name: str | None = None):
     """Return `fn` compiled and/or captured in a CUDA graph; the only place the repo does either.

@@ -155,9 +155,8 @@ class Logger:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        # An exception that ends a run on purpose (a benchmark's hook, once it has timed it) names itself.
-        self.close(stopped_by=None if exc_type is None else getattr(exc, "stop_reason", None) or
-                   ("an interrupt" if issubclass(exc_type, KeyboardInterrupt) else f"an error ({exc_type.__name__})"))
+        self.close(stopped_by=None if exc_type is None else
+                   "an interrupt" if issubclass(exc_type, KeyboardInterrupt) else f"an error ({exc_type.__name__})")
 
     def close(self, stopped_by: str | None = None):
         with signals_deferred():
@@ -189,7 +188,8 @@ class Logger:
             recent = f" ({statistics.fmean(self.recent_returns):.2f} over the last {n} logs)" if n > 1 else ""
             lines.append(f"return:     last {self.recent_returns[-1]:.2f}{recent}, best {self.best_return:.2f} "
                          f"({self.return_metric})")
-        lines += [f"eval:       last {self.last[k]:.2f} ({k})" for k in sorted(self.last) if k.startswith("charts/eval_")]
+        lines += [f"eval:       last {self.last[k]:.2f} ({k})" for k in sorted(self.last)
+                  if k.startswith("charts/eval_")]
         if self.checkpoint:
             lines.append(f"checkpoint: {self.checkpoint}")
         return "\n".join(lines)

@@ -13,7 +13,7 @@ from torch.optim.adam import adam  # the functional Adam: what a compiled graph 
 
 def make_adam(params, lr: float, *, compile: bool, cudagraphs: bool, device, **kwargs) -> torch.optim.Adam:
     """Adam with a tensor learning rate, so an annealed or restored rate reaches a captured graph (it is changed
-    in place). Eager runs the fused kernel (about 3x the default on CPU); compile generates its own; graphs
+    in place). Eager runs the fused kernel (faster than the default on a CPU); compile generates its own; graphs
     without compile need `capturable`."""
     return torch.optim.Adam(params, lr=torch.tensor(lr, device=device), capturable=cudagraphs and not compile,
                             fused=not compile, **kwargs)
@@ -37,18 +37,22 @@ class FunctionalAdam:
 
     def __init__(self, params: dict, optimizer: torch.optim.Adam):
         (group,) = optimizer.param_groups
+        if group["amsgrad"]:
+            raise ValueError("FunctionalAdam: amsgrad is not supported")
         self.params, self.optimizer = params, optimizer
         self.hyper = dict(amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
                           weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
-        if group["amsgrad"]:
-            raise ValueError("FunctionalAdam: amsgrad is not supported")
+        self._init_state()  # now, so that a graph reads it
+
+    def _init_state(self):
+        for p in self.params.values():  # torch's Adam makes its state at its first step
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                               exp_avg_sq=torch.zeros_like(p))
 
     def carry(self) -> tuple:
-        state = self.optimizer.state  # read at every call: loading a checkpoint replaces it
-        for p in self.params.values():
-            if not state[p]:  # torch's Adam makes its state at its first step
-                state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-        state = {name: state[p] for name, p in self.params.items()}
+        self._init_state()  # loading a checkpoint replaces the optimizer's state: read it at every call
+        state = {name: self.optimizer.state[p] for name, p in self.params.items()}
         return ({name: p.detach() for name, p in self.params.items()}, {n: s["exp_avg"] for n, s in state.items()},
                 {n: s["exp_avg_sq"] for n, s in state.items()}, next(iter(state.values()))["step"])
 
@@ -62,40 +66,29 @@ class FunctionalAdam:
     @torch.no_grad()
     def load(self, carry: tuple) -> None:
         params, exp_avgs, exp_avg_sqs, step = carry
-        for name, p in self.params.items():
-            p.copy_(params[name])
-            for key, value in (("exp_avg", exp_avgs[name]), ("exp_avg_sq", exp_avg_sqs[name]), ("step", step)):
-                self.optimizer.state[p][key].copy_(value)
+        names = list(self.params)
+        state = [self.optimizer.state[p] for p in self.params.values()]
+        torch._foreach_copy_(list(self.params.values()), [params[n] for n in names])
+        for key, values in (("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs)):
+            torch._foreach_copy_([s[key] for s in state], [values[n] for n in names])
+        torch._foreach_copy_([s["step"] for s in state], [step] * len(state))
 
 
 def functional_step(loss, params: dict, optimizer: torch.optim.Adam):
     """`step(*inputs) -> aux`: one optimizer step on `loss(params, *inputs) -> (loss, aux)`, where `params` are the
-    optimizer's parameters by name, written as functions: torch.func.grad of the loss and torch's Adam on the
-    parameters as values, the results copied into the parameters and the optimizer's state in place (a foreach copy
-    each). Called inside a function compiled as one graph (`fullgraph=True`), the step is part of that graph; see
-    the module's docstring. The same step written with `zero_grad`, `backward` and `step` is the algorithm's own."""
-    (group,) = optimizer.param_groups
-    if group["amsgrad"]:
-        raise ValueError("functional_step: amsgrad is not supported")
-    hyper = dict(amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
-                 eps=group["eps"], maximize=group["maximize"])
-    names, tensors = list(params), list(params.values())
-    for p in tensors:  # torch's Adam makes its state at its first step; this one before, so a graph can read it
-        if not optimizer.state[p]:
-            optimizer.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                      exp_avg_sq=torch.zeros_like(p))
+    optimizer's parameters by name, written as functions: torch.func.grad of the loss and `FunctionalAdam`'s step,
+    written back in place. Called inside a function compiled as one graph (`fullgraph=True`), the step is part of
+    that graph; see the module's docstring. The same step written with `zero_grad`, `backward` and `step` is the
+    algorithm's own."""
+    adam = FunctionalAdam(params, optimizer)
+    # The learning-rate tensor itself, taken once (`load_optimizer_state` keeps it, an annealing writes it in place):
+    # read through `param_groups` the graph would depend on the groups' dicts, which a checkpoint's load replaces.
+    lr = optimizer.param_groups[0]["lr"]
 
     def step(*inputs):
-        state = [optimizer.state[p] for p in tensors]  # read at every call: loading a checkpoint replaces it
-        grads, aux = torch.func.grad(loss, has_aux=True)({n: p.detach() for n, p in params.items()}, *inputs)
-        with torch.no_grad():
-            new = [p.detach().clone() for p in tensors]
-            moments = [[s[key].clone() for s in state] for key in ("exp_avg", "exp_avg_sq", "step")]
-            adam(new, [grads[n] for n in names], moments[0], moments[1], [], moments[2], foreach=False,
-                 capturable=torch.compiler.is_compiling(), lr=group["lr"], **hyper)
-            torch._foreach_copy_(tensors, new)
-            for key, values in zip(("exp_avg", "exp_avg_sq", "step"), moments):
-                torch._foreach_copy_([s[key] for s in state], values)
+        carry = adam.carry()
+        grads, aux = torch.func.grad(loss, has_aux=True)(carry[0], *inputs)
+        adam.load(adam.step(carry, grads, lr))
         return aux
 
     return step

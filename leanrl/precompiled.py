@@ -1,8 +1,8 @@
 """One-graph compiled functions whose Dynamo trace a warm start loads instead of tracing again.
 
 A warm inductor cache skips inductor's work, not Dynamo's: PPO CartPole's two compiled scans were traced again at
-every start, 2.6 s of Python of a 9 s run (100k steps, 4 envs, cpu-2core-amd-epyc). torch's AOT compile
-(`torch.compile(fn).aot_compile`, torch >= 2.13, experimental) saves what Dynamo traced; loading it takes 0.2 s.
+every start, seconds of Python in a short run (docs/performance.md). torch's AOT compile
+(`torch.compile(fn).aot_compile`, torch >= 2.13, experimental) saves what Dynamo traced; loading it is quick.
 
 A saved trace is used only when nothing it depended on changed, else the function is traced again and saved anew:
 - the key: the function's name, torch's and Python's versions, the machine, the compile options, the spec of the
@@ -155,8 +155,9 @@ class Precompiled:
         specs = [_tensor_spec(x) if isinstance(x, torch.Tensor) else (type(x).__qualname__, x) for x in leaves]
         global_state = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
                         torch.are_deterministic_algorithms_enabled())
+        structure = re.sub(r" at 0x[0-9a-f]+", "", str(treespec))  # (a TensorDict's names its constructor's address)
         key = repr((FORMAT, _qualified(self.fn), self.name, torch.__version__, sys.version, platform.machine(),
-                    self.compile_kwargs, str(treespec), specs, global_state))
+                    self.compile_kwargs, structure, specs, global_state))
         return os.path.join(cache_dir(), "leanrl-precompiled", f"{self.name}-{_hash(key)}")
 
     def _guards_hold(self, saved: dict, args) -> bool:

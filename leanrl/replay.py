@@ -9,6 +9,8 @@ constant: every step would write the same slot. Its checkpoint is torchrl's: `st
 `ReplayBuffer(storage=LazyTensorStorage(...)).state_dict()` holds for the same transitions, and loads into one.
 """
 
+import sys
+
 import torch
 
 from leanrl.cli import UsageError
@@ -18,8 +20,8 @@ from leanrl.run import check_flags
 def check_replay_args(args, learning_rates=("learning_rate",)) -> int:
     """Fail on replay settings that cannot work, before any environment is built or anything compiled. Returns the
     number of iterations (vector env steps)."""
-    check_flags(args, positive=("num_envs", "buffer_size", "batch_size", "eval_episodes", *learning_rates),
-                non_negative=("learning_starts", "eval_every"), unit_interval=("gamma",))
+    check_flags(args, positive=("num_envs", "buffer_size", "batch_size", *learning_rates),
+                non_negative=("learning_starts",), unit_interval=("gamma",))
     if args.total_timesteps < args.num_envs:
         raise UsageError(f"total_timesteps = {args.total_timesteps} is less than one step of num_envs = "
                          f"{args.num_envs} environments")
@@ -48,6 +50,16 @@ class Replay:
         zero = dict(dtype=torch.int64, device=self.device)
         self.cursor, self.size, self.written = torch.zeros((), **zero), torch.zeros((), **zero), torch.zeros((), **zero)
 
+    @classmethod
+    def of_transitions(cls, args, obs_space, act_space, device, obs_dtype=torch.float32, next_obs_shape=None):
+        """A buffer of `args.buffer_size` transitions (obs, action, reward, next_obs, terminated) of these spaces,
+        sampled `args.batch_size` at a time; `next_obs_shape`: where next_obs keeps less than obs (a frame stack's
+        newest frame)."""
+        action_dtype = torch.float32 if act_space.shape else torch.int64
+        return cls(args.buffer_size, args.batch_size, dict(
+            obs=(obs_space.shape, obs_dtype), action=(act_space.shape, action_dtype), reward=((), torch.float32),
+            next_obs=(next_obs_shape or obs_space.shape, obs_dtype), terminated=((), torch.bool)), device)
+
     def extend(self, transition: dict) -> None:
         n = next(iter(transition.values())).shape[0]
         index = (self.cursor + torch.arange(n, device=self.device)) % self.capacity
@@ -75,7 +87,8 @@ class Replay:
         """What `state_dict` (or torchrl's ReplayBuffer.state_dict()) saved, onto this storage's device, in place."""
         saved = _flat(state["_storage"]["_storage"])
         if set(saved) != set(self.storage) or any(saved[k].shape != x.shape for k, x in self.storage.items()):
-            raise UsageError(f"the checkpoint's replay buffer holds {_shapes(saved)}, this run's {_shapes(self.storage)}")
+            raise UsageError(f"the checkpoint's replay buffer holds {_shapes(saved)}, "
+                             f"this run's {_shapes(self.storage)}")
         for name, x in self.storage.items():
             x.copy_(saved[name])
         self.size.fill_(state["_storage"]["_len"])
@@ -96,6 +109,19 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def _shapes(storage: dict) -> str:
     return ", ".join(f"{k} {list(v.shape[1:])}" for k, v in sorted(storage.items()))
+
+
+def restore_replay(replay: Replay, state: dict) -> int:
+    """Load a checkpoint's replay buffer (saved with --save-buffer) into `replay`; returns the step its filling started
+    from (`fill_start`). A checkpoint without one: the resumed run acts with the restored policy and updates again
+    once learning_starts new transitions are stored, and says so."""
+    if state["replay_buffer"] is None:
+        print("leanrl: this checkpoint holds no replay buffer (save one with --save-buffer); the resumed run acts "
+              "with the restored policy and updates again once learning_starts new transitions are stored.",
+              file=sys.stderr)
+        return state["global_step"]
+    replay.load_state_dict(state["replay_buffer"])
+    return state["fill_start"]
 
 
 def burn_in(args, global_step: int, fill_start: int, updates: int, updates_in=lambda before, after: 1) -> int:

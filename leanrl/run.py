@@ -56,11 +56,28 @@ class RunArgs:
             self.exp_name = algorithm_of(self)
 
 
+@dataclass
+class EvalArgs:
+    """The evaluation of an env algorithm's policy (`leanrl.evaluate`): its own envs, the same start states each time,
+    the algorithm's evaluation policy (its docstring says which)."""
+    eval_every: int = 0
+    """evaluate the policy (charts/eval_return) every this many env steps, and once at the end (0: never)"""
+    eval_episodes: int = 10
+    """episodes per evaluation (one per env of the evaluation env)"""
+    capture_video: bool = False
+    """record the evaluation episodes of the first evaluation env to `<run dir>/videos` (evaluates at the end
+    even without --eval-every; resuming a finished run with it records the trained agent)"""
+
+
 def check_flags(args, positive=(), non_negative=(), unit_interval=()) -> None:
     """Bad numbers are errors naming their flag, raised before anything is built: `positive` fields must be > 0,
-    `non_negative` >= 0, `unit_interval` in [0, 1] (NaN fails every rule). RunArgs' own counts are always checked."""
-    rules = [(("total_timesteps", "log_every", *positive), lambda v: v > 0, "> 0"),
-             (("checkpoint_every", "threads", *non_negative), lambda v: v >= 0, ">= 0"),
+    `non_negative` >= 0, `unit_interval` in [0, 1] (NaN fails every rule). RunArgs' and EvalArgs' own counts are
+    always checked."""
+    evaluation = isinstance(args, EvalArgs)
+    rules = [(("total_timesteps", "log_every", *positive, *(("eval_episodes",) if evaluation else ())),
+              lambda v: v > 0, "> 0"),
+             (("checkpoint_every", "threads", *non_negative, *(("eval_every",) if evaluation else ())),
+              lambda v: v >= 0, ">= 0"),
              (unit_interval, lambda v: 0 <= v <= 1, "in [0, 1]")]
     for names, ok, rule in rules:
         for name in names:

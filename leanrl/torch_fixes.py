@@ -1,16 +1,24 @@
-"""Workarounds for torch, each with the torch version it was needed on and what makes it removable. The rest of the
-toolbox calls these; nothing else in the repository works around torch."""
+"""Workarounds for torch and tensordict, each with the version it was needed on and what makes it removable. The rest
+of the toolbox calls these; nothing else in the repository works around them."""
 
 import collections
 import functools
 import os
 import threading
 
+import tensordict
 import torch
 import torch.nn as nn
 from torch.torch_version import TorchVersion
 
 TORCH = TorchVersion(torch.__version__)
+
+# tensordict (0.14.3) restores its lazy-legacy setting on leaving `set_lazy_legacy(...)` (from_modules, which TD3's
+# and SAC's twin critics are built with, enters one) by writing str(None) into the environment variable it reads at
+# import: every process started afterwards (a script, a collector) fails its first TensorDict stack on "None".
+# Setting it once to its default (as torchrl does on import) keeps the variable a valid value. Removable when
+# tensordict restores an unset variable as unset.
+tensordict.set_lazy_legacy(False).set()
 
 # Dynamo (every torch so far, 2.11-2.13) keeps one compiled entry per object a shared piece of code is called with:
 # torch's Adam.step, once per optimizer. Past its default limit of 8 it runs that code eagerly from then on,

@@ -7,17 +7,21 @@ minutes on a laptop CPU. `--model smollm2-135m` or `--model-path DIR` starts fro
 reproducible async run.
 """
 
+import functools
+
 import tyro
 
 import leanrl
 from leanrl.algorithms import grpo, grpo_async
+from leanrl.envs.llm_tasks import make_task
 
 DEFAULTS = grpo_async.Args(exp_name="grpo_arith", task="arithmetic")
 
 if __name__ == "__main__":
     with leanrl.clean_exit():
         args = tyro.cli(grpo_async.Args, default=DEFAULTS)
-        if args.async_:
-            grpo_async.train(args)
-        else:
-            grpo.train(args)
+        try:  # a bad --task fails here, before anything is built; every process of the run builds it again
+            make_task(args.task)
+        except ValueError as e:
+            raise leanrl.UsageError(str(e)) from None
+        (grpo_async if args.async_ else grpo).train(args, functools.partial(make_task, args.task))

@@ -1,12 +1,31 @@
-"""Rank functions for tests/test_grpo.py (module level: spawned processes import them by name)."""
+"""What the GRPO tests share: runs on the task their args name, as the script builds it, and rank functions (module
+level: spawned processes import them by name)."""
 
 import copy
+import functools
 import os
 
 import torch
 
-from leanrl.algorithms import grpo
+from leanrl.algorithms import grpo, grpo_async
 from leanrl.data_parallel import DataParallel
+from leanrl.envs.llm_tasks import make_task
+from leanrl.llm.warm_start import load_policy
+
+
+def train(args):
+    """A sync GRPO run on the task `args.task` names, as scripts/grpo_arith.py builds it."""
+    return grpo.train(args, functools.partial(make_task, args.task))
+
+
+def train_async(args, **kwargs):
+    return grpo_async.train(args, functools.partial(make_task, args.task), **kwargs)
+
+
+def load(args, device=torch.device("cpu")):
+    """The task, model, tokenizer and model directory a run of `args` starts from."""
+    task = make_task(args.task)
+    return (task, *load_policy(args, task, device))
 
 
 def data_parallel_update(rank, world, port, model, batch, rewards, args, out):

@@ -26,9 +26,7 @@ from leanrl import pipeline
 from leanrl.metrics import read_metrics
 from leanrl.pipeline.weights import WeightRing
 
-sys.path.insert(0, os.path.dirname(__file__))
-from async_helpers import (params, receive_directory, slow_start_collector, template, toy_collector,  # noqa: E402
-                           toy_update)
+from async_helpers import params, receive_directory, slow_start_collector, template, toy_collector, toy_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -233,7 +231,7 @@ def test_truncated_is_loss_against_hand_computed_values():
         newvalue = agent.critic(obs).squeeze(-1)
     pg = sum(-min((lp - b).exp().item(), 1.5) * a * lp for lp, b, a in zip(logp, behaviour, adv)) / 6
     v = 0.5 * ((newvalue - returns) ** 2).mean()
-    torch.testing.assert_close(m["pg_loss"], pg)
+    torch.testing.assert_close(dict(zip(ppo.UPDATE_METRICS, m))["losses/policy_loss"], pg)
     torch.testing.assert_close(loss, pg - 0.01 * ent.mean() + 0.5 * v)
     # The gradient: below the clip, the weight is pi/mu (detached) times grad log pi.
     loss.backward()
@@ -261,7 +259,7 @@ def test_decoupled_loss_against_hand_computed_values():
         terms.append(-w * min(r * a, min(max(r, 0.8), 1.2) * a))
     pg = torch.tensor(sum(terms) / 6)
     v = 0.5 * ((newvalue - returns) ** 2).mean()
-    torch.testing.assert_close(m["pg_loss"], pg, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dict(zip(ppo.UPDATE_METRICS, m))["losses/policy_loss"], pg, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, pg - 0.01 * ent.mean() + 0.5 * v, rtol=1e-5, atol=1e-6)
     # On-policy (behaviour == proximal) it is plain PPO.
     same, _ = ppo_async.decoupled_ppo_loss(agent, obs, actions, proximal, proximal, adv, returns, values, is_clip=2.0,
@@ -281,26 +279,28 @@ def test_scanned_corrected_update_epochs_match_eager(correction):
     b = TensorDict(obs=torch.randn(B, 4), actions=torch.randint(0, 3, (B,)), logprobs=torch.randn(B) * 0.3 - 1.1,
                    proximal_logprobs=torch.randn(B) * 0.3 - 1.1, advantages=torch.randn(B), returns=torch.randn(B),
                    values=torch.randn(B), batch_size=[B])
+    loss = functools.partial(ppo_async.corrected_loss, correction=correction, is_clip=args.is_clip,
+                             clip_coef=torch.tensor(args.clip_coef), clip_vloss=args.clip_vloss,
+                             norm_adv=args.norm_adv, ent_coef=args.ent_coef, vf_coef=args.vf_coef)
     results = []
     for compile in (False, True):
         torch.manual_seed(0)
         agent = ppo.make_agent(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(3))
         optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=compile, cudagraphs=False,
                                      device="cpu")
-        learn = ppo.make_learn(agent, optimizer, args, dict(compile=compile, cudagraphs=False, device="cpu"),
-                               ppo_async.make_loss(args), ppo_async.MINIBATCH_KEYS)
-        assert isinstance(learn, functools.partial) is not compile  # compiled on a CPU: one scan
+        if compile:  # as ppo_async.train binds it on a CPU under --compile
+            learn = functools.partial(ppo.scanned_epochs, leanrl.scan_gradient_steps(
+                loss, agent, optimizer, args.max_grad_norm, leanrl.Acceleration(compile=True)),
+                ppo_async.MINIBATCH_KEYS)
+        else:
+            learn = functools.partial(ppo.update_epochs, functools.partial(
+                ppo.update, agent, optimizer, loss, args.max_grad_norm), ppo_async.MINIBATCH_KEYS)
         torch.manual_seed(2)
-        results.append((learn(b), agent))
+        results.append((learn(b, ppo.minibatches(args, B, "cpu")), agent))
     (eager_out, eager_agent), (scan_out, scan_agent) = results
     torch.testing.assert_close(scan_out, eager_out, rtol=1e-4, atol=1e-5)
     for (name, e), c in zip(eager_agent.named_parameters(), scan_agent.parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_effective_sample_size():
-    assert ppo_async.effective_sample_size(torch.zeros(10)).item() == pytest.approx(1.0)
-    assert ppo_async.effective_sample_size(torch.tensor([0.0, -100.0, -100.0, -100.0])).item() == pytest.approx(0.25)
 
 
 def descendants(pid):

@@ -1,9 +1,10 @@
 """The benchmark harness, run as a user runs it (`benchmarks/run.py --quick`): valid JSON, markdown and PNG;
-every figure positive and finite; modes the machine cannot run marked as such; the README generator."""
+every figure positive and finite; modes the machine cannot run marked as such; the docs page's generator."""
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -95,23 +96,53 @@ def test_markdown_and_png_per_algorithm(out):
     assert "ppo_cartpole" in summary and "ppo_atari" in summary and "Targets:" in summary
 
 
-def test_readme_section_is_regenerated_between_the_markers_only(out, tmp_path):
-    results = json.loads((out / "results.json").read_text())
-    results["settings"]["quick"] = False  # the generator leaves smoke runs out of the README
-    (tmp_path / "results" / "cpu-test").mkdir(parents=True)
-    (tmp_path / "results" / "cpu-test" / "results.json").write_text(json.dumps(results))
-    readme = tmp_path / "README.md"
-    readme.write_text("# title\n\n<!-- bench:start -->\nold table\n<!-- bench:end -->\n\nafter\n")
-    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
-    assert proc.returncode == 0, proc.stderr
-    text = readme.read_text()
-    assert text.startswith("# title\n\n<!-- bench:start -->\n### CPU: cpu-test")
-    assert text.endswith("<!-- bench:end -->\n\nafter\n")
-    assert "old table" not in text and "| ppo_cartpole" in text and "(results/cpu-test/ppo_cartpole.png)" in text
+def links(page) -> list[str]:
+    """The targets of a markdown page's links, as written."""
+    return re.findall(r"\]\(([^)\s]+)\)", page.read_text())
 
-    readme.write_text("no markers\n")
-    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
-    assert proc.returncode != 0 and "bench:start" in proc.stderr and readme.read_text() == "no markers\n"
+
+def test_docs_section_lists_each_machine_between_the_markers_only(out, tmp_path):
+    results = json.loads((out / "results.json").read_text())
+    for slug, quick in (("cpu-test", False), ("cpu-smoke", True)):  # the generator leaves smoke runs out
+        (tmp_path / "results" / slug).mkdir(parents=True)
+        (tmp_path / "results" / slug / "results.json").write_text(json.dumps({**results, "settings": {
+            **results["settings"], "quick": quick}}))
+        (tmp_path / "results" / slug / "summary.md").write_text((out / "summary.md").read_text())
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    page.write_text("# title\n\n<!-- bench:start -->\nold table\n<!-- bench:end -->\n\nafter\n")
+    proc = bench("--page", str(page), "--results", str(tmp_path / "results"), script="docs_tables.py")
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    assert text.startswith("# title\n\n<!-- bench:start -->\n- **cpu-test**: ")
+    assert text.endswith("<!-- bench:end -->\n\nafter\n")
+    assert "old table" not in text and "cpu-smoke" not in text
+    # one line, its machine described and its summary linked; the tables stay in the summary, not on the page
+    (line,) = [line for line in text.splitlines() if line.startswith("- ")]
+    assert f"{results['machine']['cores']} cores" in line and f"commit {results['machine']['commit']}" in line
+    assert links(page) == ["../results/cpu-test/summary.md"] and "| ppo_cartpole" not in text
+    assert all((page.parent / target).is_file() for target in links(page))
+
+    page.write_text("no markers\n")
+    proc = bench("--page", str(page), "--results", str(tmp_path / "results"), script="docs_tables.py")
+    assert proc.returncode != 0 and "bench:start" in proc.stderr and page.read_text() == "no markers\n"
+
+
+def test_the_docs_page_lists_what_the_generator_makes_of_the_saved_results():
+    """docs/performance.md's list is benchmarks/docs_tables.py's output for benchmarks/results (rerun it after a
+    benchmark), one line per machine folder, and every link in it reaches a file."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'benchmarks'); import docs_tables; "
+                           "print(docs_tables.section('benchmarks/results', 'docs'))"], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    page = os.path.join(ROOT, "docs", "performance.md")
+    listed = open(page).read().split("<!-- bench:start -->\n")[1].split("\n<!-- bench:end -->")[0]
+    assert listed == proc.stdout.rstrip("\n"), "docs/performance.md is stale: run python benchmarks/docs_tables.py"
+    results = os.path.join(ROOT, "benchmarks", "results")
+    folders = [d for d in os.listdir(results) if os.path.isfile(os.path.join(results, d, "summary.md"))]
+    assert folders and all(f"- **{d}**: [" in listed for d in folders)
+    targets = re.findall(r"\]\(([^)\s]+)\)", listed)
+    assert targets and all(os.path.isfile(os.path.join(ROOT, "docs", t)) for t in targets)
 
 
 @pytest.mark.skipif(not precompiled.available(), reason="this torch cannot save compiled traces")
@@ -160,7 +191,7 @@ def test_unknown_entry_fails_before_measuring():
     assert proc.returncode != 0 and "unknown entry 'ppo_nope'" in proc.stderr
 
 
-def test_async_vs_sync_writes_its_table_plot_and_readme_section(out, tmp_path):
+def test_async_vs_sync_writes_its_table_plot_and_docs_link(out, tmp_path):
     proc = bench("--total-timesteps", "1536", "--seeds", "1", "2", "--transports", "threads", "--num-collectors", "2",
                  "--max-lag", "1", "--median-ms", "0.2", "--out-dir", str(tmp_path / "results"),
                  "--machine", "cpu-test", script="async_vs_sync.py")
@@ -178,17 +209,20 @@ def test_async_vs_sync_writes_its_table_plot_and_readme_section(out, tmp_path):
     results = json.loads((out / "results.json").read_text())
     results["settings"]["quick"] = False
     (folder / "results.json").write_text(json.dumps(results))
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
-    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
+    (folder / "summary.md").write_text((out / "summary.md").read_text())
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    page.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
+    proc = bench("--page", str(page), "--results", str(tmp_path / "results"), script="docs_tables.py")
     assert proc.returncode == 0, proc.stderr
-    assert "#### Async vs sync" in readme.read_text() and "(results/cpu-test/async_vs_sync.png)" in readme.read_text()
+    assert links(page) == ["../results/cpu-test/summary.md", "../results/cpu-test/async_vs_sync.md"]
+    assert "| | sync |" not in page.read_text()  # linked, not pasted
 
 
-def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_readme(tmp_path):
+def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_docs(tmp_path):
     """benchmarks/cpu_speed.py at a smoke size: the CleanRL-style reference and leanrl eager, each a process of its
-    own, in two turns; a row per run with its speed-up over the reference and every turn's wall time; the table in the
-    machine's README section."""
+    own, in two turns; a row per run with its speed-up over the reference and every turn's wall time; the table linked
+    from the machine's line in docs/performance.md."""
     folder = tmp_path / "results" / "cpu-test"
     proc = bench("--envs", "2", "--total-timesteps", "1024", "--runs", "reference,eager", "--repeats", "2",
                  "--out", str(folder), script="cpu_speed.py")
@@ -201,11 +235,13 @@ def test_cpu_speed_times_whole_runs_against_the_reference_and_reaches_the_readme
     assert "| 2 | reference |" in proc.stdout and "| 1.00x |" in proc.stdout and "| 2 | eager |" in proc.stdout
     bad = bench("--runs", "eager,fastest", script="cpu_speed.py")
     assert bad.returncode == 2 and "unknown fastest" in bad.stderr
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
-    proc = bench("--readme", str(readme), "--results", str(tmp_path / "results"), script="readme_tables.py")
+    page = tmp_path / "docs" / "performance.md"
+    page.parent.mkdir()
+    page.write_text("<!-- bench:start -->\n<!-- bench:end -->\n")
+    proc = bench("--page", str(page), "--results", str(tmp_path / "results"), script="docs_tables.py")
     assert proc.returncode == 0, proc.stderr
-    assert "### CPU: cpu-test" in readme.read_text() and "### PPO CartPole, 1,024 steps" in readme.read_text()
+    assert page.read_text().startswith("<!-- bench:start -->\n- **cpu-test**: ")  # a machine with cpu_speed.py only
+    assert links(page) == ["../results/cpu-test/cpu_speed.md"] and "PPO CartPole, 1,024 steps" not in page.read_text()
 
 
 def test_grpo_layout_validation_runs_sync_and_async_against_the_planner():

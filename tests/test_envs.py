@@ -120,7 +120,7 @@ def _play_games(env, max_steps=5000):
             rewards[i].append(td["reward"][i].item())
             terms[i].append(td["terminated"][i].item())
             if td["episode_length"][i] > 0:
-                ends[i] = td[i]
+                ends[i] = {key: x[i] for key, x in td.items()}
             elif game_over[i]:  # a life lost: the game goes on, so final_obs is next_obs
                 assert torch.equal(td["final_obs"][i], td["next_obs"][i])
         if len(ends) == env.num_envs:
@@ -282,7 +282,7 @@ def test_atari_video_records_sub_env_0_and_matches_ale_vector_env(tmp_path):
         returns += td["reward"].numpy()
         for i in range(2):
             if i not in ends and td["episode_length"][i] > 0:
-                ends[i] = (step, returns[i], td[i])
+                ends[i] = (step, returns[i], {key: x[i] for key, x in td.items()})
                 if i == 0:  # its video is written when its episode ends
                     assert [p.name for p in folder.iterdir()] == ["rl-video-episode-0.mp4"]
         if len(ends) == 2:

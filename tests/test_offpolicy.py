@@ -53,7 +53,7 @@ def test_the_accelerated_learner_samples_and_updates_what_eager_does(module, env
     assert n == len(fast.replay) == 80
     for k, x in eager.replay.storage.items():
         torch.testing.assert_close(fast.replay.storage[k][:n], x[:n], msg=k)
-    params = lambda run: {k: v for k, v in run.learner.state_dict().items() if "optimizer" not in k}  # noqa: E731
+    params = lambda run: {k: v for k, v in leanrl.state_of(run.learner.parts()).items() if "optimizer" not in k}  # noqa: E731
     for name, e in params(eager).items():
         e, f = (e if isinstance(e, dict) else {name: e}), (params(fast)[name] if isinstance(e, dict) else
                                                             {name: params(fast)[name]})
@@ -148,5 +148,5 @@ def test_resume_with_the_buffer_equals_an_uninterrupted_run(module, compile, tmp
 
 def test_resume_without_the_buffer_says_so_and_refills_it(tmp_path, capfd):
     resumed = interrupted_then_resumed(td3, tmp_path, after=100, total_timesteps=200)
-    assert "holds no replay buffer" in capfd.readouterr().out
+    assert "holds no replay buffer" in capfd.readouterr().err
     assert resumed.fill_start == 100 and len(resumed.replay) == 100  # only what the resumed run collected

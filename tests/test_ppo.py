@@ -210,7 +210,8 @@ def run_cartpole(tmp_path, on_iteration=None, **kw):
     return ppo.train(args, envs, torch.device("cpu"), on_iteration=on_iteration)
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiled on a CPU: the scanned rollout and update
+# compiled on a CPU: the scanned rollout and update
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_checkpoint_then_resume_equals_an_uninterrupted_run(compile, tmp_path):
     full = run_cartpole(tmp_path / "full", total_timesteps=4096, compile=compile)
 

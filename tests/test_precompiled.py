@@ -109,7 +109,9 @@ def loss(params, x, y):
 
 
 opt = leanrl.make_adam(list(params.values()), 1e-2, compile=compile, cudagraphs=False, device="cpu")
-step = leanrl.gradient_step(loss, params, opt, one_graph=compile)
+step = leanrl.functional_step(loss, params, opt)
+if compile:  # the off-policy learners' CPU step: one fullgraph compile, whose trace a later run loads
+    step = leanrl.accelerate(step, compile=True, compile_kwargs=dict(fullgraph=True), name="step")
 losses = [step(x, y).item() for _ in range(3)]
 print(json.dumps(dict(loads=len(loads), losses=losses, params=[p.tolist() for p in params.values()])))
 """
@@ -117,9 +119,9 @@ print(json.dumps(dict(loads=len(loads), losses=losses, params=[p.tolist() for p 
 
 @pytest.mark.slow
 def test_a_second_process_loads_the_one_graph_gradient_step_and_matches_eager(tmp_path):
-    """`gradient_step(one_graph=True)`, the off-policy algorithms' CPU step, whose closure holds an optimizer and its
-    parameters, in a second run (a new process, other initial weights): loaded, it steps that run's parameters and
-    Adam state as eager does."""
+    """`functional_step` compiled as one graph, the off-policy algorithms' CPU step, whose closure holds an optimizer
+    and its parameters, in a second run (a new process, other initial weights): loaded, it steps that run's
+    parameters and Adam state as eager does."""
     script = tmp_path / "gradient_steps.py"
     script.write_text(GRADIENT_STEPS)
 

@@ -17,7 +17,10 @@ from transformers import DynamicCache  # noqa: E402
 from transformers_compat import with_cache  # noqa: E402
 from vllm.model_executor.model_loader.reload import layerwise  # noqa: E402
 
+from grpo_helpers import load, train_async  # noqa: E402
+
 from leanrl.llm import char_tokenizer, load_model, save_tiny_model  # noqa: E402
+from leanrl.llm.tasks import held_out_solve_rate  # noqa: E402
 from leanrl.llm.vllm_sampler import VLLMSampler  # noqa: E402
 
 TEMPERATURE = 0.8
@@ -295,7 +298,7 @@ def test_engines_of_collector_threads_in_this_process_are_a_clear_error(tmp_path
     from leanrl.algorithms import grpo_async
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with pytest.raises(ValueError, match="with --transport threads: the 2 collectors' engines would run in one"):
-        grpo_async.train(grpo_async.Args(run_dir=str(tmp_path), async_=True, sampler="vllm", num_collectors=2))
+        train_async(grpo_async.Args(run_dir=str(tmp_path), async_=True, sampler="vllm", num_collectors=2))
     assert os.listdir(tmp_path) == []
 
 
@@ -335,11 +338,11 @@ def test_grpo_on_the_vllm_sampler_learns_within_the_lag_bound(mode, tmp_path):
 
     # Held-out solve rate, sampled by the built-in sampler from the warm start (cached by the run) and the result.
     torch.set_num_threads(1)
-    task, model, tokenizer, _ = grpo.load_policy(args, torch.device("cpu"))
+    task, model, tokenizer, _ = load(args)
 
     def solve_rate():
         sampler = grpo.make_sampler(model, tokenizer, args, seed=123)
-        return grpo.held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(64 * args.group_size),
+        return held_out_solve_rate(sampler, task, tokenizer, sampler.make_batch(64 * args.group_size),
                                         args.group_size)
 
     before = solve_rate()

@@ -35,8 +35,8 @@ PRODUCTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": 
 
 # `F.linear(x, weight, bias)` with `packed = pack_weight(weight)`. An opaque op to torch.compile: inductor takes a
 # packed weight only as a frozen constant, and a sampler's weights change. Defined through torch.library.Library
-# rather than torch.library.custom_op: custom_op's Python autograd wrapper costs ~50 us a call (measured on
-# cpu-2core-intel-xeon, 16x512 by 512x1536: 397 vs 345 us), 1.4 ms of every 20M-model decode step.
+# rather than torch.library.custom_op: custom_op's Python autograd wrapper costs more than a small product, on
+# every product of every decode step (docs/samplers.md).
 _library = torch.library.Library("leanrl", "FRAGMENT")
 _library.define("packed_linear(Tensor x, Tensor packed, SymInt out_features, Tensor? bias) -> Tensor")
 _library.impl("packed_linear", lambda x, packed, out_features, bias: torch.ops.mkldnn._linear_pointwise(
@@ -54,8 +54,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-# Measured on cpu-2core-amd-epyc (float32, 4 to 64 rows): a packed 512x512 weight multiplies 1.1-1.3x faster,
-# 768x2304 1.2-2.5x; a 128x128 one 1.3-2x slower (oneDNN's ~20 us per call). Smaller products stay plain.
+# A packed weight multiplies faster from about this size up; below it oneDNN's fixed cost per call is more than it
+# saves (docs/samplers.md), so smaller products stay plain.
 PACK_MIN_ELEMENTS = 512 * 512
 
 # The shortest cache length a decode step shrinks to (`shrink_cache`): each length is a graph of its own.
@@ -172,7 +172,7 @@ class Sampler:
         S, L = num_slots, max_len
         # The KV cache: per layer a [slots, kv_heads, max_len, head_dim] tensor of its own. One tensor for all
         # layers would make each layer's cache a view, and inductor then copies the whole cache at every write
-        # (measured 7x slower than the in-place write it does on a tensor of its own).
+        # (far slower than the in-place write it does on a tensor of its own).
         shape = (S, self.num_kv_heads, L, self.head_dim)
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
@@ -197,16 +197,14 @@ class Sampler:
                         self.seq_logprobs, self.seq_version, self.noise, self._arange_s, self._arange_l):
                 torch._dynamo.mark_static(buf)
         acc = dict(compile=compile, cudagraphs=cudagraphs, device=device)
-        # On a CPU a step's time grows with its slots (20M model, compiled, cpu-2core-amd-epyc: 4 slots 9.5 ms,
-        # 8 slots 10.4 ms, 16 slots 14.5 ms), and a batch's last sequences run alone in a full-width step.
+        # On a CPU a step's time grows with its slots, and a batch's last sequences run alone in a full-width step.
         self.step_sizes = sorted({max(S >> i, 1) for i in range(3 if shrink_steps else 1)})
-        # The attention reads the cache up to its length T: at 64 slots, one thread, cpu-2core-amd-epyc, a 20M
-        # model's compiled step takes 41 ms at T = 64, 57 ms at 256 and 116 ms at 1024.
+        # The attention reads the cache up to its length T, so a shorter cache is a cheaper step.
         self.cache_sizes = sorted({L} | {L >> i for i in range(1, 3 if shrink_cache else 1)
                                          if L >> i >= MIN_SHRUNK_CACHE})
         # dynamic=False: a size is a constant of its own graph, never a symbolic dimension shared by the sizes.
-        # On a CPU inductor's C++ wrapper runs the step's kernels with no Python between them (README: 1.1x-1.3x
-        # faster steps of the tiny model; the 20M one's are matrix products either way).
+        # On a CPU inductor's C++ wrapper runs the step's kernels with no Python between them (faster steps of a
+        # tiny model; a larger one's are matrix products either way).
         step_kwargs = dict(dynamic=False, options=dict(cpp_wrapper=device.type == "cpu"))
         self._decodes = {(n, T): accelerate(self._decode_step_fn(n, T), name=f"decode_step_{n}x{T}",
                                             compile_kwargs=step_kwargs, **acc)
