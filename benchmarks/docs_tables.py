@@ -22,7 +22,9 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 # Tables of other benchmarks, linked where a machine has them: (file, link text).
 OTHER_TABLES = (("cpu_speed.md", "whole runs, launch to exit (`benchmarks/cpu_speed.py`)"),
-                ("async_vs_sync.md", "async vs sync PPO (`benchmarks/async_vs_sync.py`)"))
+                ("async_vs_sync.md", "async vs sync PPO (`benchmarks/async_vs_sync.py`)"),
+                ("step_costs.md", "Python calls and time around an env step (`benchmarks/step_costs.py`)"),
+                ("learning_parity.md", "learning parity (`benchmarks/learning_parity.py`)"))
 
 
 def machine_entry(folder: str, slug: str, page_dir: str) -> tuple[bool, str] | None:

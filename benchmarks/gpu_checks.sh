@@ -13,10 +13,12 @@
 set -u
 # SAMPLER_S: h200's decode table is from 2026-11-26 (benchmarks/results/h200): give it 90 s after a sampler change.
 # GRPO_SYNC=1 runs sync GRPO before the async run (measured on an H200 and an H100: benchmarks/results/*/grpo_arith.md).
-# ALGOS: the entries whose four-mode GPU table is still missing or has error columns, most wanted first.
-: "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=150}" "${GRPO_S:=180}" "${GRPO_SYNC:=0}" "${SAMPLER_S:=0}" \
-  "${TESTS:=cuda or graph or compile}" "${SMOLLM2_S:=0}" \
-  "${ALGOS=ppo_continuous,dqn_atari,dqn_cartpole,ppo_atari}" \
+# STEP_COSTS_S: calls and time per env step (benchmarks/step_costs.py) of the entries issue 60 measures on a GPU.
+# ALGOS: the entries whose four-mode GPU table is wanted most, first: issue 60's end-to-end goals (TD3 and SAC under
+# compile + graphs against h200's 430 and 350 env-steps/s, PPO-Atari against h100's 2,611), then the missing ones.
+: "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=150}" "${GRPO_S:=0}" "${GRPO_SYNC:=0}" "${SAMPLER_S:=0}" \
+  "${TESTS:=cuda or graph or compile}" "${SMOLLM2_S:=0}" "${STEP_COSTS_S:=150}" \
+  "${ALGOS=td3_continuous,sac_continuous,ppo_atari,ppo_continuous,dqn_atari}" \
   "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
 # A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (an H100 lease's second call
@@ -29,7 +31,7 @@ done
 if [ -f .gpu-smollm2-1/SHA256SUMS ]; then cp .gpu-smollm2-1/SHA256SUMS /tmp/smollm2/; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
 # The layout an install makes (pyproject's package-dir), for a machine that runs from the working tree.
-for d in algorithms envs; do [ -e "leanrl/$d" ] || ln -s "../$d" "leanrl/$d"; done
+for d in algorithms envs scripts; do [ -e "leanrl/$d" ] || ln -s "../$d" "leanrl/$d"; done
 archive() { tar czf /tmp/results.tgz -C benchmarks results && mv /tmp/results.tgz "$OUT/results.tgz"; }
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
 if [ "$CACHE" = 1 ] && [ -f .gpu-cache/inductor.tgz ]; then
@@ -91,6 +93,12 @@ if [ "$SMOLLM2_S" != 0 ]; then  # SmolLM2-135M's GRPO learning curve, graphed (e
           $SMOLLM2_FLAGS >> "$OUT/smollm2.log" 2>&1
       fi; }
   tail -n 30 "$OUT/smollm2.log"
+  save_cache
+fi
+if [ "$STEP_COSTS_S" != 0 ]; then
+  timeout -k 10 "$STEP_COSTS_S" python benchmarks/step_costs.py --device cuda \
+    --algos td3_continuous,sac_continuous,ppo_atari --modes eager,compile+cudagraphs > "$OUT/step_costs.log" 2>&1
+  tail -n 12 "$OUT/step_costs.log"
   save_cache
 fi
 if [ -n "$ALGOS" ]; then

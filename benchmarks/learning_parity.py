@@ -4,7 +4,7 @@ same task and settings (rl-baselines3-zoo's where CleanRL has none).
 Every run is `python scripts/<script> --seed S ...` in a process of its own, one after the other (on 2 cores two
 runs at once would time each other out of their threads); a run that finished in an earlier call (its summary
 in `<runs>/<task>-<seed>.out`) is not run again, so a long table can be built over several calls. Then it writes
-learning_parity.json, learning_parity.md and a plot per task (`python -m leanrl.plot`) to
+learning_parity.json, learning_parity.md and a plot per task (`python -m leanrl.plot`: learning_parity_<task>.png) to
 benchmarks/results/<machine>/ (or --out), and prints the table.
 
 A run's final return is the mean of its logged `charts/episodic_return` over the last tenth of its steps (the
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from leanrl.metrics import read_metrics
-from measure import machine_info
+from measure import git_commit, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -87,7 +87,8 @@ def run_one(name: str, task: Task, seed: int, runs: str) -> str:
     if os.path.isfile(out):
         with open(out) as f:
             text = f.read()
-        if (match := SUMMARY.search(text)) and f"{task.total_timesteps:,} steps of {task.total_timesteps:,}" in text:
+        # a finished run's summary: "N steps of TOTAL in ..." (PPO's N: whole batches), an interrupted one's "stopped"
+        if (match := SUMMARY.search(text)) and f" steps of {task.total_timesteps:,} in " in text:
             return match[1]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", task.script), *task.flags, "--seed", str(seed),
            "--total-timesteps", str(task.total_timesteps), "--exp-name", name, "--run-dir", os.path.join(runs, name),
@@ -113,6 +114,10 @@ def final(run_dir: str, total: int) -> dict:
                 eval_return=evals[-1] if evals else None, sps=sps[-1] if sps else None)
 
 
+def plot_name(task: str) -> str:
+    return f"learning_parity_{task}.png"  # beside benchmarks/run.py's charts, which are named by entry
+
+
 def spread(values: list) -> str:
     values = [v for v in values if v is not None]
     if not values:
@@ -125,22 +130,24 @@ def markdown(result: dict) -> str:
     lines = [f"# Learning parity ({result['machine']['slug']}, {result['created']})", "",
              "Final return: each run's mean logged episodic return over its last tenth of steps; mean ± std over "
              "seeds. Eval: the last deterministic evaluation (10 episodes), where the task evaluates. Command: "
-             "`python benchmarks/learning_parity.py`.", "",
-             "| task | command | seeds | final return | eval | reference | reference's figure | differences |",
-             "|---|---|---|---|---|---|---|---|"]
+             "`python benchmarks/learning_parity.py`. Commit: the code a task's runs ran (a table is built over "
+             "several calls).", "",
+             "| task | command | seeds | final return | eval | reference | reference's figure | differences | commit |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["tasks"].items():
         task = TASKS[name]
-        command = f"`python scripts/{task.script} {' '.join(task.flags)} --total-timesteps {task.total_timesteps}`"
+        command = "`" + " ".join(["python", f"scripts/{task.script}", *task.flags, "--total-timesteps",
+                                  str(task.total_timesteps)]) + "`"
         lines.append(f"| {name} | {command} | {', '.join(str(s) for s in r['seeds'])} | "
                      f"{spread([s['final_return'] for s in r['runs']])} | {spread([s['eval_return'] for s in r['runs']])}"
                      f" | {task.reference} | {task.reference_mean:.2f} ± {task.reference_std:.2f} | "
-                     f"{task.differences} |")
+                     f"{task.differences} | {r.get('commit') or '—'}, {r.get('date') or '—'} |")
     lines += ["", "Per run (seed: final return, eval, env-steps/s):", ""]
     for name, r in result["tasks"].items():
         per = "; ".join(f"{seed}: {s['final_return']:.1f}"
                         + (f", eval {s['eval_return']:.1f}" if s["eval_return"] is not None else "")
                         + (f", {s['sps']:,.0f} SPS" if s["sps"] else "") for seed, s in zip(r["seeds"], r["runs"]))
-        lines.append(f"- {name}: {per}; curves: `{name}.png`")
+        lines.append(f"- {name}: {per}; curves: `{plot_name(name)}`")
     return "\n".join(lines) + "\n"
 
 
@@ -168,9 +175,9 @@ def main():
     for name in names:
         task = TASKS[name]
         dirs = [run_one(name, task, seed, a.runs) for seed in a.seeds]
-        result["tasks"][name] = dict(task=asdict(task), seeds=a.seeds,
-                                     runs=[final(d, task.total_timesteps) for d in dirs])
-        subprocess.run([sys.executable, "-m", "leanrl.plot", *dirs, "--out", os.path.join(out, f"{name}.png"),
+        result["tasks"][name] = dict(task=asdict(task), seeds=a.seeds, commit=git_commit(),
+                                     date=time.strftime("%Y-%m-%d"), runs=[final(d, task.total_timesteps) for d in dirs])
+        subprocess.run([sys.executable, "-m", "leanrl.plot", *dirs, "--out", os.path.join(out, plot_name(name)),
                         "--smooth", "5"], check=True, capture_output=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

@@ -275,3 +275,27 @@ def test_ppo_layout_validation_measures_the_handoff_and_runs_against_the_planner
     # the handoff only lengthens the admission loop: never a higher prediction than without it
     assert r["model_sps"] <= r["model_h0_sps"]
     assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("measured_sps", "model_sps", "sim_sps", "train_s"))
+
+
+def test_learning_parity_tables_the_runs_and_finds_them_again(tmp_path):
+    """Two seeds of PPO CartPole (100k steps each): each run's final return is the mean of its logged returns over
+    the last tenth of its steps, read here straight from metrics.jsonl; the table names the commit; a second call
+    finds the finished runs instead of running them again."""
+    flags = ("--tasks", "ppo_cartpole", "--seeds", "1", "2", "--runs", str(tmp_path / "runs"), "--out",
+             str(tmp_path / "out"))
+    first = bench(*flags, script="learning_parity.py")
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "learning_parity.json").read_text())
+    task = result["tasks"]["ppo_cartpole"]
+    assert task["seeds"] == [1, 2] and task["commit"] == result["machine"]["commit"]
+    for run in task["runs"]:
+        with open(os.path.join(run["run_dir"], "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        last = [r["charts/episodic_return"] for r in rows if "charts/episodic_return" in r
+                and r["global_step"] > 90_000]
+        assert last and run["final_return"] == pytest.approx(sum(last) / len(last))
+    table = (tmp_path / "out" / "learning_parity.md").read_text()
+    assert "| commit |" in table and f"| {result['machine']['commit']}, " in table
+    assert (tmp_path / "out" / "learning_parity_ppo_cartpole.png").stat().st_size > 10_000
+    again = bench(*flags, script="learning_parity.py")
+    assert again.returncode == 0 and "ppo_cartpole seed 1:" not in again.stderr, again.stderr[-2000:]
