@@ -121,9 +121,11 @@ def measure_one(name: str, mode: str, device, steps: int) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# Per env step, in steady state ({result['machine']['slug']}: {result['machine']['cpu']}"
              f"{', ' + result['machine']['gpu'] if result['machine']['gpu'] else ''})", "",
-             f"Commit {result['machine']['commit']}, torch {result['machine']['torch']}, {result['created']}. Command: "
+             f"Commit {result['machine']['commit']}, torch {result['machine']['torch']}, tensordict "
+             f"{result['machine']['tensordict']}, {result['created']}. Command: "
              "`python benchmarks/step_costs.py`. An env step is one step of every env (`num_envs` transitions). "
-             "Calls: Python-level and built-in function calls of the main thread (machine-independent). The wall "
+             "Calls: Python-level and built-in function calls of the main thread (machine-independent, but not "
+             "version-independent: they follow the torch and tensordict versions). The wall "
              "time is split into env stepping, the accelerated calls (what `leanrl.accelerate` returned: compiled "
              "and/or graphed, or in eager mode the same functions) and the rest: the host work around them.", "",
              "| entry | mode | envs | calls / step | ms / step | env ms | accelerated ms | other ms |",

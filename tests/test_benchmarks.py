@@ -299,3 +299,21 @@ def test_learning_parity_tables_the_runs_and_finds_them_again(tmp_path):
     assert (tmp_path / "out" / "learning_parity_ppo_cartpole.png").stat().st_size > 10_000
     again = bench(*flags, script="learning_parity.py")
     assert again.returncode == 0 and "ppo_cartpole seed 1:" not in again.stderr, again.stderr[-2000:]
+
+
+def test_step_costs_splits_an_env_step_without_counting_time_twice(tmp_path):
+    """DQN and PPO CartPole, eager and compiled: a row per (entry, mode) with its call count, and the env and
+    accelerated time within the step's wall time, the rest never negative (a timed call inside another counts
+    once)."""
+    run = bench("--algos", "dqn_cartpole,ppo_cartpole", "--modes", "eager,compile", "--steps", "512", "--out",
+                str(tmp_path), script="step_costs.py")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "step_costs.json").read_text())
+    rows = [(name, mode, r) for name, modes in result["entries"].items() for mode, r in modes.items()]
+    assert {(name, mode) for name, mode, _ in rows} == {(n, m) for n in ("dqn_cartpole", "ppo_cartpole")
+                                                        for m in ("eager", "compile")}
+    for name, mode, r in rows:
+        assert r["status"] == "ok" and r["calls"] > 10, (name, mode, r)
+        assert r["env_ms"] >= 0 and r["accelerated_ms"] > 0 and r["other_ms"] >= 0, (name, mode, r)
+    table = (tmp_path / "step_costs.md").read_text()
+    assert f"tensordict {result['machine']['tensordict']}" in table and "| dqn_cartpole | compile | 1 |" in table
