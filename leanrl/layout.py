@@ -107,9 +107,8 @@ class GPU:
     """bytes"""
 
 
-# Vendor datasheets: H100 SXM5 (989 TFLOP/s dense bf16, 3.35 TB/s, 80 GB), H200 SXM (989 TFLOP/s, 4.8 TB/s,
-# 141 GB), A100 SXM 80GB (312 TFLOP/s, 2.039 TB/s, 80 GB), L40S (362 TFLOP/s, 864 GB/s, 48 GB GDDR6).
-# "cpu": a nominal 2-core server (~0.1 TFLOP/s fp32, ~20 GB/s, 16 GB); pass a measured latency curve there.
+# The vendors' datasheet figures (dense bf16 FLOP/s; the SXM parts for H100, H200 and A100 80GB). "CPU" is a nominal
+# small server (fp32): pass a measured latency curve there.
 GPUS = {
     "H100": GPU("H100", 989e12, 3.35e12, 80e9),
     "H200": GPU("H200", 989e12, 4.8e12, 141e9),
