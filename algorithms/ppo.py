@@ -8,7 +8,6 @@ leanrl. `envs` is a `leanrl.VectorEnv` (leanrl/env.py): any of `leanrl.envs`, or
 `autoreset_mode=AutoresetMode.SAME_STEP` and wrapped in `leanrl.TorchVectorEnv`.
 """
 
-import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -47,8 +46,7 @@ class Args(leanrl.EvalArgs, leanrl.RunArgs):
     clip_coef: float = 0.1
     """the surrogate clipping coefficient"""
     anneal_clip: bool = False
-    """anneal the clipping coefficient to 0 with the iterations, as --anneal-lr the learning rate (rl-baselines3-zoo's
-    `clip_range: lin_...`)"""
+    """anneal the clipping coefficient to 0 with the iterations, as --anneal-lr does the learning rate"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function"""
     ent_coef: float = 0.01
@@ -149,30 +147,14 @@ def make_agent(observation_space, action_space, device=None):
     return MLPAgent(int(np.prod(observation_space.shape)), action_dim, continuous, device)
 
 
-# ---------------------------------------------------------------------------- distributions, sync-free
-def sample_and_logprob(agent, dist_params, action=None, noise=None):
-    """Sample (when `action` is None), log-probability and entropy, written out so no validation
-    check or host sync hides inside torch.distributions. `noise`: the sample's random numbers as `draw_noise`
-    draws them (standard normal for a Gaussian, uniform for the Gumbel-max), drawn here if None."""
-    if hasattr(agent, "actor_logstd"):  # Gaussian
-        logstd = agent.actor_logstd.expand_as(dist_params)
-        if action is None:
-            noise = torch.randn_like(dist_params) if noise is None else noise
-            action = dist_params + logstd.exp() * noise
-        logprob = -((action - dist_params) ** 2) / (2 * (2 * logstd).exp()) - logstd - 0.5 * math.log(2 * math.pi)
-        entropy = 0.5 + 0.5 * math.log(2 * math.pi) + logstd
-        return action, logprob.sum(-1), entropy.sum(-1)
-    logits = dist_params.log_softmax(-1)
-    if action is None:  # Gumbel-max: an exact categorical sample drawn in-graph
-        noise = torch.rand_like(logits) if noise is None else noise
-        gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-        action = (logits + gumbel).argmax(-1)
-    logprob = logits.gather(-1, action.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logits.exp() * logits).sum(-1)
-    return action, logprob, entropy
-
-
 # ------------------------------------------------------------------------------------------- the phases
+def sample_and_logprob(agent, dist_params, action=None, noise=None):
+    """Sample (when `action` is None, from `noise` as `draw_noise` draws it), log-probability and entropy."""
+    if hasattr(agent, "actor_logstd"):
+        return leanrl.diagonal_gaussian(dist_params, agent.actor_logstd, action, noise)
+    return leanrl.categorical(dist_params, action, noise)
+
+
 def policy(agent, obs, noise=None):
     """The action sampled for `obs`, its log-probability and the state's value."""
     dist_params, value = agent(obs)
@@ -181,9 +163,8 @@ def policy(agent, obs, noise=None):
 
 
 def draw_noise(envs, num_steps: int, device) -> tuple:
-    """A rollout's random numbers, drawn at once before it: the policy's samples and, with an on-device env, its
-    auto-reset states, each (num_steps, ...). Every mode (eager, compiled step by step, CUDA-graphed, one scan)
-    uses them in the same order, so all take the same actions from the same seed."""
+    """A rollout's random numbers, drawn before it: the policy's samples and, with an on-device env, its auto-reset
+    states, each (num_steps, ...). Every mode uses them in the same order: the same actions from the same seed."""
     space, shape = envs.single_action_space, (num_steps, envs.num_envs)
     policy_noise = (torch.randn(*shape, space.shape[0], device=device) if space.shape else
                     torch.rand(*shape, space.n, device=device))
@@ -205,21 +186,19 @@ def act(policy, get_value, args: Args, env_step, obs, noise: tuple):
 
 def make_storage(envs, args: Args, device) -> TensorDict:
     """The rollout buffer, (num_steps, num_envs), allocated once: captured graphs read and write its addresses."""
-    obs_space, act_space = envs.single_observation_space, envs.single_action_space
-    fields = dict(obs=(obs_space.shape, envs.obs_dtype),
+    act_space, T, N = envs.single_action_space, args.num_steps, args.num_envs
+    fields = dict(obs=(envs.single_observation_space.shape, envs.obs_dtype),
                   actions=(act_space.shape, torch.float32 if act_space.shape else torch.long),
-                  **dict.fromkeys(("terminated", "truncated"), ((), torch.bool)),
+                  terminated=((), torch.bool), truncated=((), torch.bool),
                   **dict.fromkeys(("logprobs", "values", "rewards", "final_values", "episode_return",
                                    "episode_length"), ((), torch.float32)))
-    T, N = args.num_steps, args.num_envs
     return TensorDict({key: torch.zeros(T, N, *shape, dtype=dtype, device=device) for key, (shape, dtype) in
                        fields.items()}, batch_size=[T, N], device=device)
 
 
 @torch.no_grad()
 def rollout(step, envs, next_obs, storage, args: Args):
-    """`num_steps` calls of `step(obs, noise)` (`act` with its env) into `storage`, `next_obs` advanced in place (a
-    captured iteration reads its address)."""
+    """`num_steps` calls of `step(obs, noise)` into `storage`; `next_obs` advanced in place, where graphs read it."""
     noise = draw_noise(envs, args.num_steps, next_obs.device)
     for t in range(args.num_steps):
         obs, stored = step(next_obs, tuple(n[t] for n in noise))
@@ -250,11 +229,9 @@ def bootstrap(get_value, next_obs, storage, args: Args):
 
 
 def gae(rewards, values, next_values, terminated, dones, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation over a (num_steps, num_envs) rollout.
-
-    `next_values[t]` is the value of the true next state of transition t (for a truncated episode, its
-    final observation); termination cuts the bootstrap, any episode end cuts the recursion.
-    """
+    """Generalized advantage estimation over a (num_steps, num_envs) rollout. `next_values[t]` is the value of the
+    true next state of transition t (for a truncated episode, its final observation); termination cuts the
+    bootstrap, any episode end cuts the recursion."""
     deltas = rewards + gamma * next_values * (~terminated) - values
     not_done = (~dones).float()
     advantages = []
@@ -326,20 +303,12 @@ def minibatches(args: Args, batch_size: int, device) -> torch.Tensor:
         args.update_epochs * args.num_minibatches, -1)
 
 
-def update_epochs(update, keys, b, indices) -> tuple:
-    """`update` on every epoch's minibatches (`indices`' rows) of the flat batch `b`, one call each; the last one's
-    outputs."""
+def update_epochs(update, batch: tuple, indices) -> tuple:
+    """`update` on every epoch's minibatches (`indices`' rows into each tensor of `batch`), one call each; the last
+    one's outputs. `leanrl.scan_gradient_steps` makes the same function one compiled scan."""
     for mb_inds in indices:
-        mb = b[mb_inds]
-        out = update(*(mb[key] for key in keys))
+        out = update(*(x[mb_inds] for x in batch))
     return out
-
-
-def scanned_epochs(scanned, keys, b, indices) -> tuple:
-    """`update_epochs` as one call: `scanned` is the update over all of them, a compiled scan
-    (`leanrl.scan_gradient_steps`)."""
-    metrics, grad_norms = scanned(tuple(b[key] for key in keys), indices)
-    return metrics[-1], grad_norms[-1]
 
 
 def flat_batch(storage, advantages, returns) -> TensorDict:
@@ -368,14 +337,13 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     """Train to `args.total_timesteps`, logging to the run directory, checkpointing every `checkpoint_every`
     iterations, at the end and on Ctrl-C/SIGTERM; resume exactly from `args.resume`. `make_eval_envs(video_folder=)`
     builds the `args.eval_episodes` envs evaluations run in (`video_folder`: where the first records, else None).
-    `on_iteration(iteration, global_step)` is called after each iteration; a true return ends the run there
-    (benchmarks time the loop with it). Returns the agent, optimizer, last logged values and counters."""
+    `on_iteration(iteration, global_step)` runs after each iteration (a true return ends the run there). Returns
+    the agent, optimizer, last logged values and counters."""
     device = torch.device(device or leanrl.resolve_device(args.device))
     batch_size, _, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
         raise leanrl.UsageError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
-    # Without annealing no schedule depends on the horizon: a resumed run may go on longer.
-    anneals = args.anneal_lr or args.anneal_clip
+    anneals = args.anneal_lr or args.anneal_clip  # without, a resumed run may go on longer
     resumed = args.resume and leanrl.load_checkpoint(args.resume, args, () if anneals else ("total_timesteps",))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
     run_dir = leanrl.make_run_dir(args, args.env_id)
@@ -401,9 +369,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     agent_policy, get_value = partial(policy, agent_inference), agent_inference.get_value
     if fast.cpu_compile and envs.on_device:  # a CPU has no graphs: the whole rollout one compiled scan
         # (obs cloned: a scan's output may not alias its input; the last critic pass stays eager, one per rollout)
-        scanned = leanrl.scan_env_steps(lambda env_step, obs, noise: act(agent_policy, get_value, args, env_step,
-                                                                         obs.clone(), noise), envs, fast)
-        collect = partial(scanned_rollout, scanned, envs, args=args)
+        collect = partial(scanned_rollout, leanrl.scan_env_steps(lambda env_step, obs, noise: act(
+            agent_policy, get_value, args, env_step, obs.clone(), noise), envs, fast), envs, args=args)
     elif envs.on_device:  # a step (policy, env, critic) one compiled call, one CUDA graph
         collect = partial(rollout, fast(partial(act, agent_policy, get_value, args, envs.step), name="act"), envs,
                           args=args)
@@ -415,13 +382,10 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     # torch.compile unrolls GAE's loop: fine at Atari's 128 steps on a GPU, minutes of compile at MuJoCo's 2048
     gae_fn = fast.replace(compile=fast.compile and args.num_steps <= MAX_COMPILED_GAE_STEPS).eager_on_cpu(
         "GAE", "its loop, unrolled, compiles for longer than a whole short run saves")(gae, name="gae")
-    if fast.cpu_compile and isinstance(agent, MLPAgent):  # every epoch's updates one compiled scan (not the CNN's:
-        # its convolutions gain nothing from it)
-        learn = partial(scanned_epochs, leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm, fast),
-                        MINIBATCH_KEYS)
+    if fast.cpu_compile and isinstance(agent, MLPAgent):  # the epochs one compiled scan (a CNN's gain nothing)
+        learn = leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm, fast)
     else:
-        learn = partial(update_epochs, fast(partial(update, agent, optimizer, loss, args.max_grad_norm),
-                                            name="update"), MINIBATCH_KEYS)
+        learn = partial(update_epochs, fast(partial(update, agent, optimizer, loss, args.max_grad_norm), name="update"))
     # ----
     storage = make_storage(envs, args, device)
 
@@ -441,7 +405,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         advantages, returns = gae_fn(storage["rewards"], storage["values"], next_values, terminated,
                                      storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
         b = flat_batch(storage, advantages, returns)
-        metrics, grad_norm = learn(b, minibatches(args, batch_size, device))
+        metrics, grad_norm = learn(tuple(b[key] for key in MINIBATCH_KEYS), minibatches(args, batch_size, device))
         return *metrics.unbind(), grad_norm, explained_variance(b)
 
     if args.graph_iteration:

@@ -199,11 +199,10 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     gae_fn = accel.replace(compile=accel.compile and args.num_steps <= ppo.MAX_COMPILED_GAE_STEPS).eager_on_cpu(
         "GAE", "its loop, unrolled, compiles for longer than a whole short run saves")(ppo.gae, name="gae")
     if accel.cpu_compile and isinstance(agent, ppo.MLPAgent):  # every epoch's updates one compiled scan
-        learn = partial(ppo.scanned_epochs, leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm,
-                                                                       accel), MINIBATCH_KEYS)
+        learn = leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm, accel)
     else:
         learn = partial(ppo.update_epochs, accel(partial(ppo.update, agent, optimizer, loss, args.max_grad_norm),
-                                                 name="update"), MINIBATCH_KEYS)
+                                                 name="update"))
     proximal_logprob = accel(partial(logprob, agent_inference), name="logprob")
     # ----
     storage = ppo.make_storage(spec, args, device)
@@ -246,7 +245,7 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             b = ppo.flat_batch(storage, advantages, returns)
             with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
                 b["proximal_logprobs"] = proximal_logprob(b["obs"], b["actions"])
-            update_metrics, grad_norm = learn(b, ppo.minibatches(args, batch_size, device))
+            update_metrics, grad_norm = learn(tuple(b[key] for key in MINIBATCH_KEYS), ppo.minibatches(args, batch_size, device))
             trainer.publish()
             metrics = dict(zip(ppo.UPDATE_METRICS, (*update_metrics.unbind(), grad_norm, ppo.explained_variance(b))))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]

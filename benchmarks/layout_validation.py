@@ -144,7 +144,8 @@ def trainer_time(epochs, n):
         b = ppo.flat_batch(storage, advantages, returns)
         with torch.no_grad():
             b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
-        ppo.update_epochs(update, ppo_async.MINIBATCH_KEYS, b, ppo.minibatches(args, STEPS_PER_BATCH, CPU))
+        ppo.update_epochs(update, tuple(b[key] for key in ppo_async.MINIBATCH_KEYS),
+                          ppo.minibatches(args, STEPS_PER_BATCH, CPU))
         times.append(time.perf_counter() - t0)
     return statistics.fmean(times[2:])  # the mean, as a run's throughput sees it
 

@@ -13,6 +13,7 @@ _MODULE_OF = {
     **dict.fromkeys(["scan_env_steps", "scan_gradient_steps"], "scan"),
     "EvalArgs": "run", "Replay": "replay", "restore_replay": "replay",
     "VectorEnv": "env",
+    **dict.fromkeys(["categorical", "diagonal_gaussian"], "distributions"),
     "effective_sample_size": "importance",
     **dict.fromkeys(["CheckpointError", "load_checkpoint", "load_in_place", "restore_rng", "save_checkpoint",
                      "save_on_interrupt", "state_of"], "checkpoint"),

@@ -289,14 +289,13 @@ def test_scanned_corrected_update_epochs_match_eager(correction):
         optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=compile, cudagraphs=False,
                                      device="cpu")
         if compile:  # as ppo_async.train binds it on a CPU under --compile
-            learn = functools.partial(ppo.scanned_epochs, leanrl.scan_gradient_steps(
-                loss, agent, optimizer, args.max_grad_norm, leanrl.Acceleration(compile=True)),
-                ppo_async.MINIBATCH_KEYS)
+            learn = leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm,
+                                               leanrl.Acceleration(compile=True))
         else:
             learn = functools.partial(ppo.update_epochs, functools.partial(
-                ppo.update, agent, optimizer, loss, args.max_grad_norm), ppo_async.MINIBATCH_KEYS)
+                ppo.update, agent, optimizer, loss, args.max_grad_norm))
         torch.manual_seed(2)
-        results.append((learn(b, ppo.minibatches(args, B, "cpu")), agent))
+        results.append((learn(tuple(b[key] for key in ppo_async.MINIBATCH_KEYS), ppo.minibatches(args, B, "cpu")), agent))
     (eager_out, eager_agent), (scan_out, scan_agent) = results
     torch.testing.assert_close(scan_out, eager_out, rtol=1e-4, atol=1e-5)
     for (name, e), c in zip(eager_agent.named_parameters(), scan_agent.parameters()):

@@ -143,20 +143,17 @@ def test_scanned_update_epochs_match_eager(continuous):
     args = ppo.Args(num_envs=4, num_steps=32, num_minibatches=4, update_epochs=3, compile=True)
     torch.manual_seed(1)
     B = args.num_envs * args.num_steps
-    batches = [TensorDict(obs=torch.randn(B, 4), actions=torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,)),
-                          logprobs=torch.randn(B) * 0.1 - 1, advantages=torch.randn(B), returns=torch.randn(B),
-                          values=torch.randn(B), batch_size=[B]) for _ in range(3)]
+    batches = [(torch.randn(B, 4), torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,)),
+                torch.randn(B) * 0.1 - 1, torch.randn(B), torch.randn(B), torch.randn(B)) for _ in range(3)]
     results = []
     for scanned in (False, True):
         torch.manual_seed(0)
         agent = ppo.make_agent(BOX4, gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3))
         optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, compile=scanned, cudagraphs=False,
                                      device="cpu")
-        update = functools.partial(ppo.update_epochs, functools.partial(ppo.update, agent, optimizer, LOSS, 0.5),
-                                   ppo.MINIBATCH_KEYS)
-        learn = (functools.partial(ppo.scanned_epochs, leanrl.scan_gradient_steps(
-            LOSS, agent, optimizer, 0.5, leanrl.Acceleration(compile=True)), ppo.MINIBATCH_KEYS) if scanned
-            else update)
+        update = functools.partial(ppo.update_epochs, functools.partial(ppo.update, agent, optimizer, LOSS, 0.5))
+        learn = (leanrl.scan_gradient_steps(LOSS, agent, optimizer, 0.5, leanrl.Acceleration(compile=True)) if scanned
+                 else update)
         torch.manual_seed(2)
         outs = [learn(batches[0], ppo.minibatches(args, B, "cpu"))]
         optimizer.param_groups[0]["lr"].fill_(3e-4)
