@@ -8,7 +8,7 @@ task, the supervised warm start, their cache), the prompts and the verifier's sc
 
 Copy-paste contract (kept true by tests/test_copy_paste.py): this file imports only torch, tensordict and leanrl.
 `make_task()` builds the task (what one is: leanrl/llm/tasks.py): a class of yours, or
-`functools.partial(leanrl.envs.llm_tasks.make_task, name)`.
+`leanrl.envs.llm_tasks.task_maker(args)`'s, from `--task` or a `--dataset` file.
 """
 
 import os
@@ -18,18 +18,20 @@ from functools import partial
 from typing import Literal
 
 import torch
-from tensordict import TensorDict, from_module
+from tensordict import TensorDict
 
 import leanrl
 from leanrl.data_parallel import DataParallel
-from leanrl.llm import Sampler
+from leanrl.llm.dataset_task import DatasetArgs, task_name
+from leanrl.llm.export import export_model
 from leanrl.llm.packing import gather_rows, pack_tokens, token_logprobs
+from leanrl.llm.samplers import make_sampler
 from leanrl.llm.tasks import PromptStream, held_out_evaluation, score
 from leanrl.llm.warm_start import load_policy
 
 
 @dataclass
-class Args(leanrl.RunArgs):
+class Args(DatasetArgs, leanrl.RunArgs):
     exp_name: str = "grpo"
     """the name of this experiment (prefix of the run directory)"""
     total_timesteps: int = 12_800
@@ -38,7 +40,7 @@ class Args(leanrl.RunArgs):
     """save a checkpoint every this many iterations (0: only at exit)"""
     task: str = "arithmetic"
     """the verifiable task: `arithmetic`, `letter_count`, `countdown` (envs/llm_tasks.py), or your own class as
-    `module:Class`, importable from where you launch the run"""
+    `module:Class`, importable from where you launch the run; `--dataset` replaces it with a data file's"""
     model: str = "tiny"
     """`tiny` (a 2-layer Qwen2 built locally with the task's character tokenizer) or a named model (`smollm2-135m`)"""
     model_path: str | None = None
@@ -373,18 +375,13 @@ def batch_metrics(batch, data, rewards, live, version, group_size, max_lag) -> d
     return out
 
 
-# ---------------------------------------------------------------------------- the sampler, checkpoints, logs
-def make_sampler(model, tokenizer, args: Args, model_dir: str | None = None, backend: str | None = None,
-                 **overrides):
-    """The built-in sampler over `model`'s own tensors, or (`--sampler vllm`) a vLLM engine built from `model_dir`
-    that follows the same tensors: both fill the same batches, and both see an in-place weight update."""
-    settings = dict(num_slots=args.num_slots, max_len=args.max_len, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, max_prompt_len=args.max_prompt_len, seed=args.seed)
-    if (backend or args.sampler) == "vllm":
-        from leanrl.llm.vllm_sampler import VLLMSampler  # an optional extra: imported only when asked for
-        return VLLMSampler(model_dir, params=from_module(model).data, **{**settings, **overrides})
-    return Sampler(model, **{**settings, "compile": args.compile, "cudagraphs": args.cudagraphs, **overrides})
+# ---------------------------------------------------------------------------- what a run leaves
+def save(checkpoint_path: str, state: dict, args: Args, model, tokenizer):
+    """The checkpoint, and beside it the policy as a transformers directory (`model/`: what `--model-path`,
+    `from_pretrained`, vLLM and `python -m leanrl.llm.evaluate` load), each written atomically."""
+    leanrl.save_checkpoint(checkpoint_path, state, args)
+    export_model(model, tokenizer, os.path.join(os.path.dirname(checkpoint_path), "model"),
+                 generation=dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -408,7 +405,7 @@ def train(args: Args, make_task) -> dict:
     # rank r: prompts r, r + N, ...
     prompts = PromptStream(task, tokenizer, args.seed, start=rank, stride=world, chat=args.chat_template)
     num_iterations = args.total_timesteps // B
-    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
+    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{task_name(args)}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if resumed:
@@ -430,16 +427,17 @@ def train(args: Args, make_task) -> dict:
             stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=lambda: iteration,
                                  carry_over=False)
             host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-            rewards = score(task, tokenizer, host, args.seed).to(device)
+            rewards, unparsed = score(task, tokenizer, host, args.seed)
             t0 = time.perf_counter()
-            metrics = learner.update(batch.to(device), rewards, iteration)  # vLLM fills on the host
+            metrics = learner.update(batch.to(device), rewards.to(device), iteration)  # vLLM fills on the host
             leanrl.sync_cuda(device)
             update_time = time.perf_counter() - t0
             metrics.update({"perf/sampled_tokens_per_s": stats["sampled_tokens"] / stats["time_s"],
                             "perf/trained_tokens_per_s": int(host["completion_length"].sum()) / update_time,
                             "perf/slot_utilization": stats["slot_utilization"], "perf/sample_time": stats["time_s"],
                             "perf/decode_steps": stats["decode_steps"], "perf/update_time": update_time,
-                            "perf/iteration_time": time.perf_counter() - t_iteration})  # with scoring on the host
+                            "perf/iteration_time": time.perf_counter() - t_iteration,  # with scoring on the host
+                            "charts/unparsed_frac": unparsed.float().mean()})
             world_metrics = data_parallel.reduce_metrics(metrics)
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
@@ -449,11 +447,11 @@ def train(args: Args, make_task) -> dict:
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(checkpoint_path, state(), args)
+                save(checkpoint_path, state(), args, model, tokenizer)
         if evaluate:  # the trained policy, also when a finished run is resumed only to evaluate
             logger.record({"charts/eval_solve_rate": evaluate(iteration)})
             logger.flush()
         if rank == 0:
-            leanrl.save_checkpoint(checkpoint_path, state(), args)
+            save(checkpoint_path, state(), args, model, tokenizer)
     data_parallel.close()
     return logger.last

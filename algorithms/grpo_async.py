@@ -26,6 +26,7 @@ import leanrl.pipeline
 from leanrl.algorithms import grpo
 from leanrl.config import ASYNC_ONLY
 from leanrl.data_parallel import DataParallel
+from leanrl.llm.dataset_task import task_name
 from leanrl.llm.tasks import PromptStream, held_out_evaluation, score
 from leanrl.llm.warm_start import load_policy
 from leanrl.pipeline import AsyncArgs, check_settings
@@ -60,10 +61,11 @@ def processes(args: Args) -> int:
 
 
 def batch_template(sampler, args: Args):
-    """A sampler batch plus what a collector adds: the rewards and its sampler's statistics (per row, so the
-    batch keeps one batch dimension)."""
+    """A sampler batch plus what a collector adds: the rewards, which completions the verifier could not read,
+    and its sampler's statistics (per row, so the batch keeps one batch dimension)."""
     batch = sampler.make_batch(args.num_prompts * args.group_size)
     batch["rewards"] = torch.zeros(batch.shape, device=batch.device)
+    batch["unparsed"] = torch.zeros(batch.shape, dtype=torch.bool, device=batch.device)
     batch["sampler_stats"] = torch.zeros(*batch.shape, len(STATS), dtype=torch.float64, device=batch.device)
     return batch
 
@@ -85,7 +87,9 @@ def grpo_collector(ctx, args: Args, make_task, model_dir: str, device, prompt_of
                              min_version=ctx.min_version, carry_over=not args.deterministic,
                              min_version_step=args.num_collectors)
         host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-        batch["rewards"].copy_(score(task, tokenizer, host, args.seed))
+        rewards, unparsed = score(task, tokenizer, host, args.seed)
+        batch["rewards"].copy_(rewards)
+        batch["unparsed"].copy_(unparsed)
         batch["sampler_stats"].copy_(torch.tensor([stats[k] for k in STATS], dtype=torch.float64))
 
 
@@ -131,7 +135,7 @@ def train(args: Args, make_task, collector=grpo_collector) -> dict:
     B = args.num_prompts * args.group_size
     num_iterations = args.total_timesteps // B
     share = dataclasses.replace(args, num_prompts=args.num_prompts // world)  # what this rank's collectors fill
-    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{args.task}"))
+    run_dir = data_parallel.from_rank_zero(lambda: leanrl.make_run_dir(args, f"grpo-{task_name(args)}"))
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     iteration = 0
     if resumed:
@@ -171,7 +175,7 @@ def train(args: Args, make_task, collector=grpo_collector) -> dict:
                             "perf/sample_time": stats["time_s"],
                             "perf/slot_utilization": stats["slot_utilization"], "perf/dropped": stats["dropped"],
                             "perf/decode_steps": stats["decode_steps"], "perf/update_time": update_time,
-                            **trainer.stats.summary()})
+                            "charts/unparsed_frac": batch["unparsed"].float().mean(), **trainer.stats.summary()})
             world_metrics = data_parallel.reduce_metrics(metrics)
             logger.record(world_metrics if rank == 0 else metrics)
             iteration += 1
@@ -181,11 +185,11 @@ def train(args: Args, make_task, collector=grpo_collector) -> dict:
             if iteration % args.log_every == 0 or iteration == num_iterations:
                 logger.flush()
             if rank == 0 and args.checkpoint_every and iteration % args.checkpoint_every == 0:
-                leanrl.save_checkpoint(checkpoint_path, state(), args)
+                grpo.save(checkpoint_path, state(), args, model, tokenizer)
         if evaluate:  # the trained policy, also when a finished run is resumed only to evaluate
             logger.record({"charts/eval_solve_rate": evaluate(iteration)})
             logger.flush()
         if rank == 0:
-            leanrl.save_checkpoint(checkpoint_path, state(), args)
+            grpo.save(checkpoint_path, state(), args, model, tokenizer)
     data_parallel.close()
     return logger.last

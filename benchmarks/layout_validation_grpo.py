@@ -152,7 +152,7 @@ def calibrate_trainer(args, updates):
             sampler.fill(batch, prompts, group_size=args.group_size, carry_over=False)
             t0 = time.perf_counter()
             host = batch.select("tokens", "prompt_length", "completion_length", "prompt_id", "finished").cpu()
-            rewards = score(task, tokenizer, host, -8)
+            rewards, _ = score(task, tokenizer, host, -8)
             t1 = time.perf_counter()
             metrics = learner.update(batch, rewards, 0)
             t2 = time.perf_counter()

@@ -1,31 +1,20 @@
-"""Verifiable text tasks for GRPO, generated locally: a task is a prompt generator plus a verifier.
-
-To add your own, copy one class into a module of yours and run it as `--task module:Class` (`make_task`):
-`alphabet` (the characters its prompts and answers use, for the tiny model's character tokenizer),
-`problem(index, seed)` (the problem number `index` of a fixed stream: the same index gives the same problem in every
-process, so a batch needs to carry only its prompt ids; a `Problem`), and `score(problem, completion)` (1.0 if the
-completion solves the problem, else 0.0; it never raises, whatever the text). `demonstration` is a correct
-completion, for the supervised warm start that teaches a tiny model the answer format. A frozen dataclass, as
-these: its repr (its settings) keys the cached warm start (another class's name does).
+"""Verifiable text tasks for GRPO, generated locally: a prompt generator plus a verifier each (what a task is:
+leanrl/llm/tasks.py). To add your own, copy one class into a module of yours and run it as `--task module:Class`
+(`make_task`); a file of problems and answers runs as `--dataset FILE` (leanrl/llm/dataset_task.py).
+`demonstration` is a correct completion, for the supervised warm start that teaches a tiny model the answer format.
+A frozen dataclass, as these: its repr (its settings) keys the cached warm start (another class's name does).
 """
 
 import random
 import re
 from dataclasses import dataclass
+from functools import partial
 
-from leanrl.cli import import_user_module
+from leanrl.cli import UsageError, import_user_module
+from leanrl.llm.dataset_task import DatasetTask
+from leanrl.llm.tasks import Problem
 
 DIGITS = "0123456789"
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    """the text the model continues"""
-    answer: str
-    """what the verifier checks the completion against"""
-    demonstration: str
-    """a correct completion (the warm start's target)"""
 
 
 def _rng(index: int, seed: int) -> random.Random:
@@ -186,3 +175,14 @@ def make_task(name: str, **kwargs):
     if missing:
         raise ValueError(f"--task {name!r}: has no {' and no '.join(missing)} method (see envs/llm_tasks.py)")
     return task
+
+
+def task_maker(args):
+    """`make_task()` for a GRPO run's arguments: the `--dataset` file's task, else `--task`'s. Built once here, so
+    that a bad one is a one-line UsageError before anything else; every process of the run builds it again."""
+    make = partial(DatasetTask.from_args, args) if args.dataset else partial(make_task, args.task)
+    try:
+        make()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return make

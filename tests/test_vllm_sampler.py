@@ -170,6 +170,29 @@ def test_an_engine_that_dies_during_an_update_is_a_clear_error(engine_process_sa
     assert len(errors) == 1 and "the vLLM engine process (EngineCore) died" in errors[0]
 
 
+def test_an_engine_starts_from_an_exported_policy(setup, tmp_path, monkeypatch):
+    """A directory `export_model` wrote (its generation_config.json included) is one vLLM serves: an engine started
+    from it, its weights those of the directory, samples what the exported model scores. The engine runs in a process
+    of its own, as `engine_process_sampler`'s: a second engine in this process would fail."""
+    from vllm import envs
+
+    from leanrl.llm.export import export_model
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    envs.disable_envs_cache()  # a started engine caches vLLM's environment variables
+    tok, _, _, model_b = setup
+    model_dir = export_model(model_b, tok, str(tmp_path / "export"),
+                             generation=dict(do_sample=True, temperature=TEMPERATURE))
+    sampler = VLLMSampler(model_dir, num_slots=4, max_len=40, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, temperature=TEMPERATURE, seed=0)
+    try:
+        batch = sampler.make_batch(4)
+        stats = sampler.fill(batch, prompts(tok, 2), group_size=2, step_boundary=lambda: 0, carry_over=False)
+        assert stats["groups"] == 2 and stats["dropped"] == 0
+        check_rows(batch, [scores(model_b, row) for row in batch["tokens"]])
+    finally:
+        sampler.engine.engine_core.shutdown()
+
+
 def check_in_flight_update(tok, sampler, model_a, model_b, recompute_kv):
     set_weights(sampler, model_a)
     sampler.fill(sampler.make_batch(2), prompts(tok, 1), group_size=2, step_boundary=lambda: 10, carry_over=False)

@@ -102,23 +102,31 @@ def _save(model, tokenizer, directory):
         tokenizer.save_pretrained(directory)
 
 
+@contextlib.contextmanager
+def _staged(directory):
+    """A new empty directory beside `directory` (an absolute path) to write a model directory into and rename into
+    place; removed on the way out unless renamed by then, so a failed or interrupted write leaves nothing behind."""
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(directory), prefix=f".{os.path.basename(directory)}-")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model directory is read by other users' processes too
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_cached(model, tokenizer, directory) -> str:
     """Write a cache entry of leanrl's (a converted or warm-started model) as a local model directory, complete or
     absent, never half written: saved beside `directory`, then renamed into place. An entry another process wrote
     first is kept. Without transformers' "Writing model shards" bar."""
     directory = os.path.abspath(directory)
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(directory), prefix=f".{os.path.basename(directory)}-")
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model directory
-    try:
+    with _staged(directory) as tmp:
         _save(model, tokenizer, tmp)
         try:
             os.replace(tmp, directory)  # atomic
         except OSError:
             if not os.path.exists(os.path.join(directory, "config.json")):  # else a concurrent writer won
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
@@ -128,7 +136,7 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, progress
 
     Every check that can fail runs before the weights are read: missing files, unsupported family, a tokenizer
     without an EOS token, a tokenizer whose ids do not fit the model's vocabulary."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = named_model_dir(path_or_name) if path_or_name in NAMED_MODELS else str(path_or_name)
     if not os.path.isdir(path):
@@ -147,7 +155,7 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, progress
     if family not in FAMILIES:
         raise UsageError(f"model directory {path!r}: model_type {family!r} is not supported "
                          f"(supported: {FAMILIES})")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = _tokenizer_class(path).from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise UsageError(f"model directory {path!r}: the tokenizer has no EOS token (set eos_token in "
                          "tokenizer_config.json); the sampler needs one to end completions")
@@ -160,6 +168,20 @@ def load_model(path_or_name: str, *, device="cpu", dtype=torch.float32, progress
     with _loading, _bars(progress):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval(), tokenizer
+
+
+def _tokenizer_class(path: str):
+    """The class that reads `path`'s tokenizer as it was saved. AutoTokenizer picks the model family's own class
+    (Qwen2Tokenizer for a qwen2 config), whose normalizer drops the spaces and newlines of a character tokenizer's
+    text; a tokenizer saved as a plain fast tokenizer is read back as one."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            saved_as = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        saved_as = None
+    return PreTrainedTokenizerFast if saved_as in ("PreTrainedTokenizerFast", "TokenizersBackend") else AutoTokenizer
 
 
 def cache_dir() -> str:

@@ -1,12 +1,16 @@
 """What a GRPO run does with its task, the text side of the loop: prompts encoded as the sampler pulls them, the
 verifier on every completion, the supervised warm start's demonstrations, the held-out solve rate.
 
-A task (`leanrl.envs.llm_tasks` has some) is an object with `problem(index, seed) -> Problem` (the problem number
-`index` of a fixed stream: the same index gives the same problem in every process, so a batch carries only its
-prompt ids) and `score(problem, completion) -> float` (1.0 if the completion solves the problem, else 0.0; it never
-raises, whatever the text); a Problem has its `prompt`, and a correct `demonstration` for the warm start. A task for
+A task (`leanrl.envs.llm_tasks` has some, `leanrl.llm.dataset_task` reads one from a file) is an object with
+`problem(index, seed) -> Problem` (the problem number `index` of a fixed stream: the same index gives the same
+problem in every process, so a batch carries only its prompt ids; seed `HELD_OUT_SEED` is the held-out stream) and
+`score(problem, completion) -> float | None` (1.0 if the completion solves the problem, else 0.0; None when no parser
+understood it, which scores 0 and is counted in charts/unparsed_frac; it never raises, whatever the text). A
+`Problem` has its `prompt` and a correct `demonstration` (the warm start's), and may have a `system` prompt. A task for
 the tiny model also has `alphabet`, the characters its prompts and answers use (its character tokenizer's).
 """
+
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
@@ -14,16 +18,28 @@ from tensordict import TensorDict
 from leanrl.cli import UsageError
 
 
-def encode(tokenizer, text: str, chat: bool = False) -> list[int]:
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    """the text the model continues"""
+    answer: str
+    """what the verifier checks the completion against"""
+    demonstration: str
+    """a correct completion (the warm start's target)"""
+    system: str | None = None
+    """a system prompt before it (a system message with --chat-template, else text before the prompt)"""
+
+
+def encode(tokenizer, text: str, chat: bool = False, system: str | None = None) -> list[int]:
     """A prompt's token ids; `chat`: the text as a user message in the tokenizer's chat template, the assistant's
-    turn opened (--chat-template)."""
+    turn opened (--chat-template), after `system` as a system message."""
     if not chat:
-        return tokenizer(text)["input_ids"]
+        return tokenizer(text if system is None else f"{system}\n\n{text}")["input_ids"]
     if not tokenizer.chat_template:
         raise UsageError("--chat-template: the model's tokenizer has no chat template (tokenizer_config.json's "
                                 "chat_template)")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
+    messages = [{"role": "system", "content": system}] * (system is not None) + [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 class PromptStream:
@@ -41,7 +57,8 @@ class PromptStream:
     def __next__(self):
         index = self.next_index
         self.next_index += self.stride
-        return index, encode(self.tokenizer, self.task.problem(index, self.seed).prompt, self.chat)
+        problem = self.task.problem(index, self.seed)
+        return index, encode(self.tokenizer, problem.prompt, self.chat, getattr(problem, "system", None))
 
 
 HELD_OUT_SEED = -1000  # the problems evaluations draw; training draws with --seed
@@ -56,7 +73,7 @@ def held_out_solve_rate(sampler, task, tokenizer, batch: TensorDict, group_size:
     with sampler.seeded(seed):
         sampler.fill(batch, PromptStream(task, tokenizer, HELD_OUT_SEED, chat=chat), group_size=group_size,
                      step_boundary=lambda: version, carry_over=False)
-    return float(score(task, tokenizer, batch.cpu(), HELD_OUT_SEED).mean())
+    return float(score(task, tokenizer, batch.cpu(), HELD_OUT_SEED)[0].mean())
 
 
 def held_out_evaluation(sampler, task, tokenizer, args):
@@ -67,17 +84,20 @@ def held_out_evaluation(sampler, task, tokenizer, args):
                                                args.seed + 10_000, args.chat_template)
 
 
-def score(task, tokenizer, host_batch: TensorDict, seed: int) -> torch.Tensor:
+def score(task, tokenizer, host_batch: TensorDict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier on every completion of a batch copied to the host (it reads text); a completion cut at
-    max_len scores 0. Returns rewards [B] (float32, on the host)."""
-    rewards = []
+    max_len scores 0. Returns rewards [B] (float32) and `unparsed` [B] (bool: a finished completion the verifier
+    could not read, scored 0), on the host."""
+    rewards, unparsed = [], []
     for tokens, start, length, pid, finished in zip(
             host_batch["tokens"].tolist(), host_batch["prompt_length"].tolist(),
             host_batch["completion_length"].tolist(), host_batch["prompt_id"].tolist(),
             host_batch["finished"].tolist()):
         text = tokenizer.decode(tokens[start:start + length], skip_special_tokens=True)
-        rewards.append(task.score(task.problem(pid, seed), text) if finished else 0.0)
-    return torch.tensor(rewards)
+        value = task.score(task.problem(pid, seed), text) if finished else 0.0
+        rewards.append(0.0 if value is None else value)
+        unparsed.append(value is None)
+    return torch.tensor(rewards, dtype=torch.float32), torch.tensor(unparsed)
 
 
 def demonstrations(task, tokenizer, indices, seed: int, max_len: int, chat: bool = False):
@@ -88,7 +108,7 @@ def demonstrations(task, tokenizer, indices, seed: int, max_len: int, chat: bool
     lengths = []
     for row, index in enumerate(indices):
         problem = task.problem(index, seed)
-        prompt = encode(tokenizer, problem.prompt, chat)
+        prompt = encode(tokenizer, problem.prompt, chat, getattr(problem, "system", None))
         completion = tokenizer(problem.demonstration, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seq = (prompt + completion)[:max_len]
         tokens[row, :len(seq)] = torch.tensor(seq)

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from tqdm import trange
 
 from leanrl.cli import UsageError
+from leanrl.llm.dataset_task import task_name
 from leanrl.llm.models import char_tokenizer, load_model, save_cached, save_tiny_model
 from leanrl.llm.packing import gather_rows, pack_tokens, token_logprobs
 from leanrl.llm.tasks import demonstrations, encode
@@ -45,7 +46,7 @@ def prepare_model(args, task, device) -> str:
     base = args.model_path or args.model
     if base == "tiny" and not args.model_path:
         alphabet = hashlib.sha1(task.alphabet.encode()).hexdigest()[:8]  # a task of yours may change it
-        name = f"tiny-{path_safe(args.task)}-{alphabet}-{args.tiny_layers}x{args.tiny_hidden}-seed{args.seed}"
+        name = f"tiny-{path_safe(task_name(args))}-{alphabet}-{args.tiny_layers}x{args.tiny_hidden}-seed{args.seed}"
         base = os.path.join(cache, name)
         if not os.path.isfile(os.path.join(base, "config.json")):
             save_tiny_model(base, char_tokenizer(task.alphabet), num_layers=args.tiny_layers,
@@ -53,7 +54,7 @@ def prepare_model(args, task, device) -> str:
                             seed=args.seed)
     if args.sft_steps == 0:
         return base
-    settings = repr(task) if dataclasses.is_dataclass(task) else args.task  # not an address that differs every run
+    settings = repr(task) if dataclasses.is_dataclass(task) else task_name(args)  # not an address, new every run
     key = json.dumps([os.path.abspath(base) if os.path.isdir(base) else base, settings, args.sft_steps,
                       args.sft_batch, args.sft_learning_rate, args.max_len, args.seed, args.chat_template])
     out = os.path.join(cache, "sft-" + hashlib.sha1(key.encode()).hexdigest()[:12])
@@ -69,7 +70,7 @@ def prepare_model(args, task, device) -> str:
 def check_task(args, task):
     """The task fits the model: the tiny model's character tokenizer needs the task's `alphabet`."""
     if args.model == "tiny" and not args.model_path and not isinstance(getattr(task, "alphabet", None), str):
-        raise UsageError(f"--task {args.task!r}: the tiny model's character tokenizer needs its `alphabet` (a string "
+        raise UsageError(f"--task {task_name(args)!r}: the tiny model's character tokenizer needs its `alphabet` (a string "
                          "of every character its prompts and answers use); or use --model/--model-path")
 
 
