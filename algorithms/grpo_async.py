@@ -47,7 +47,8 @@ class Args(grpo.Args, AsyncArgs):
 def check_args(args: Args):
     # Under torchrun with threads/processes, the ranks are data-parallel trainers; with distributed, collectors.
     grpo.check_args(args, 1 if args.transport == "distributed" else DataParallel.torchrun_world())
-    check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every)
+    check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic, args.publish_every,
+                   args.max_restarts)
     if (args.async_ and args.sampler == "vllm" and args.transport == "threads" and args.num_collectors > 1
             and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"):  # vLLM's parallel state is per process
         raise leanrl.UsageError(f"VLLM_ENABLE_V1_MULTIPROCESSING=0 with --transport threads: the {args.num_collectors}"
@@ -82,7 +83,16 @@ def grpo_collector(ctx, args: Args, make_task, model_dir: str, device, prompt_of
     # Stream s is prompts offset + s, offset + s + n, ...: streams never overlap and are the same every run.
     prompts = PromptStream(task, tokenizer, args.seed, start=prompt_offset + first_stream + ctx.rank,
                                 stride=num_streams or args.num_collectors, chat=args.chat_template)
-    for batch in ctx.batches(sampler.params, batch_template(sampler, args)):
+    def state():  # what a batch starts from (--deterministic: a restarted collector continues from it)
+        return dict(rng=torch.random.get_rng_state(), sampler=sampler.generator.get_state(), prompt=prompts.next_index)
+
+    def load_state(saved):
+        torch.random.set_rng_state(saved["rng"])
+        sampler.generator.set_state(saved["sampler"])
+        prompts.next_index = saved["prompt"]
+
+    for batch in ctx.batches(sampler.params, batch_template(sampler, args),
+                             state=(state, load_state) if hasattr(sampler, "generator") else None):
         stats = sampler.fill(batch, prompts, group_size=args.group_size, step_boundary=ctx.step_boundary,
                              min_version=ctx.min_version, carry_over=not args.deterministic,
                              min_version_step=args.num_collectors)
@@ -113,7 +123,8 @@ def train(args: Args, make_task, collector=grpo_collector) -> dict:
     # the learner resumes exactly; collectors draw fresh prompts
     resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("total_timesteps",))  # (a constant lr)
     device = leanrl.resolve_device(args.device)
-    settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
+    settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every,
+                    max_restarts=args.max_restarts)
     if args.transport == "distributed":  # torchrun's ranks: rank 0 trains, the others collect
         from leanrl.pipeline.distributed import is_collector_rank, join
         device = join(args.num_collectors, device)

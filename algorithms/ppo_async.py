@@ -34,7 +34,7 @@ def check_args(args: Args) -> tuple[int, int, int]:
     sizes = ppo.check_args(args)
     if args.async_:
         leanrl.pipeline.check_settings(args.transport, args.num_collectors, args.max_lag, args.deterministic,
-                                       args.publish_every)
+                                       args.publish_every, args.max_restarts)
     return sizes
 
 
@@ -138,8 +138,17 @@ def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None
         versions.append(ctx.step_boundary())
         return step(obs, noise)
 
+    def state():  # what a batch starts from; a host simulator's state cannot be saved, an on-device env's can
+        return dict(rng=torch.random.get_rng_state(), envs=envs.state_dict(), next_obs=next_obs.clone())
+
+    def load_state(saved):
+        torch.random.set_rng_state(saved["rng"])
+        envs.load_state_dict(saved["envs"])
+        next_obs.copy_(saved["next_obs"])
+
     try:
-        for batch in ctx.batches(from_module(agent).data, batch_template(storage, envs.statistics())):
+        for batch in ctx.batches(from_module(agent).data, batch_template(storage, envs.statistics()),
+                                 state=(state, load_state) if envs.on_device else None):
             versions.clear()
             ppo.rollout(tagged_step, envs, next_obs, storage, args)
             next_values, terminated = ppo.bootstrap(get_value, next_obs, storage, args)
@@ -164,7 +173,8 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     device = torch.device(device or leanrl.resolve_device(args.device))
     batch_size, _, num_iterations = check_args(args)
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every)
+    settings = dict(max_lag=args.max_lag, deterministic=args.deterministic, publish_every=args.publish_every,
+                    max_restarts=args.max_restarts)
     if args.transport == "distributed":
         from leanrl.pipeline.distributed import broadcast_from_rank_zero, is_collector_rank, join
         device = join(args.num_collectors, device)

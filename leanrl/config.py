@@ -8,7 +8,7 @@ import dataclasses
 HARMLESS_FLAGS = frozenset({
     "resume", "run_dir", "log_every", "checkpoint_every", "progress", "track", "wandb_project_name", "wandb_entity",
     "wandb_mode", "device", "compile", "cudagraphs", "threads", "eval_every", "eval_episodes", "eval_prompts",
-    "capture_video", "save_buffer",
+    "capture_video", "save_buffer", "max_restarts",
 })
 
 

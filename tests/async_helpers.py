@@ -66,3 +66,19 @@ def receive_directory(rank, world, port, path, out, rank_zero_only):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(dict(local=local, files=files), f)
     dist.destroy_process_group()
+
+
+def failing_once_collector(ctx, flag_path, fail_at):
+    """`toy_collector`'s batches; the first collector to reach its batch `fail_at` raises there, once in the run
+    (the flag file says it has)."""
+    import os
+
+    local = params()
+    noise = torch.Generator().manual_seed(1000 + ctx.rank)
+    for j, batch in enumerate(ctx.batches(local, template())):
+        if j == fail_at and not os.path.exists(flag_path):
+            open(flag_path, "w").close()
+            raise ValueError(f"collector {ctx.rank}'s env fails at its batch {j}")
+        for t in range(STEPS):
+            batch["version"][t] = ctx.step_boundary()
+            batch["x"][t] = local["w"] + local["b"] + torch.rand(WIDTH, generator=noise)

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +27,8 @@ from leanrl import pipeline
 from leanrl.metrics import read_metrics
 from leanrl.pipeline.weights import WeightRing
 
-from async_helpers import params, receive_directory, slow_start_collector, template, toy_collector, toy_update
+from async_helpers import (failing_once_collector, params, receive_directory, slow_start_collector, template,
+                           toy_collector, toy_update)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -344,3 +346,182 @@ def test_sigterm_stops_every_role_with_a_final_checkpoint(transport, tmp_path):
     while [p for p in children if os.path.exists(f"/proc/{p}")] and time.time() < deadline:
         time.sleep(0.2)
     assert [p for p in children if os.path.exists(f"/proc/{p}")] == []
+
+
+# ---------------------------------------------------------------------------- collectors that die
+def check_delivery(trainer, n, max_lag):
+    """Every ticket consumed once, in order; each collector's batches numbered without a gap or a repeat; every
+    lag within the bound."""
+    tickets, ranks, seqs, lags = zip(*trainer.consumed)
+    assert list(tickets) == list(range(n))
+    for r in set(ranks):
+        assert [s for rr, s in zip(ranks, seqs) if rr == r] == list(range(ranks.count(r)))
+    assert max(lags) <= max_lag
+
+
+def test_a_killed_collector_process_is_restarted_and_owes_nothing(capfd):
+    weights, n = params(), 16
+    with pipeline.start("processes", 2, toy_collector, (0, 2e-3), template(), weights, max_lag=1, timeout=120,
+                        max_restarts=1) as trainer:
+        for i in range(n):
+            if i == 4:
+                os.kill(trainer.workers[0].pid, signal.SIGKILL)  # mid-run, whatever it was doing
+            toy_update(weights, trainer.next_batch())
+            trainer.publish()
+    check_delivery(trainer, n, max_lag=1)
+    assert trainer.stats.summary()["async/collector_restarts"] == 1
+    assert "leanrl: collector 0 died with exit code -9, SIGKILL" in capfd.readouterr().err
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("transport", ["threads", "processes"])
+def test_a_collector_whose_env_raises_is_restarted(transport, tmp_path, capfd):
+    weights, n = params(), 12
+    with pipeline.start(transport, 2, failing_once_collector, (str(tmp_path / "failed"), 2), template(), weights,
+                        max_lag=2, timeout=120, max_restarts=2) as trainer:
+        for _ in range(n):
+            toy_update(weights, trainer.next_batch())
+            trainer.publish()
+    check_delivery(trainer, n, max_lag=2)
+    assert trainer.stats.restarts == 1
+    assert "env fails at its batch 2; started again from the newest weights" in capfd.readouterr().err
+
+
+def test_the_run_stops_with_the_collectors_error_once_its_restarts_are_spent():
+    with pytest.raises(pipeline.CollectorError, match=r"raised \(after 2 restarts: --max-restarts\)") as err:
+        with pipeline.start("threads", 1, toy_collector, (0, 0.0, 1), template(), params(), max_lag=1, timeout=60,
+                            max_restarts=2) as trainer:
+            while True:
+                trainer.next_batch()
+                trainer.publish()
+    assert "fails on batch 1" in str(err.value) and trainer.stats.restarts == 2
+
+
+def run_killing_a_collector(script, run_dir, *flags, kill=True):
+    """`script --async --transport processes` to its end, one of its collector processes SIGKILLed once the run has
+    logged (if `kill`); its stderr and metrics rows."""
+    run_dir.mkdir()
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", script), "--async", "--transport", "processes",
+           "--num-collectors", "2", "--max-lag", "1", "--run-dir", str(run_dir), "--no-progress", "--log-every", "1",
+           *flags]
+    proc = subprocess.Popen(cmd, cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while kill and (not list(run_dir.glob("*/metrics.jsonl"))
+                    or os.path.getsize(next(run_dir.glob("*/metrics.jsonl"))) == 0):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.1)
+    if kill:
+        collectors = [p for p in descendants(proc.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(collectors[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return err, read_metrics(str(next(run_dir.glob("*/metrics.jsonl"))))
+
+
+PPO_FLAGS = ("--total-timesteps", "8192", "--update-epochs", "1")
+
+
+def test_async_ppo_finishes_its_run_through_a_killed_collector(tmp_path):
+    """PPO on CartPole over the processes transport, one collector SIGKILLed mid-run: the run ends with all its
+    iterations, the restart logged and counted, every lag within the bound."""
+    err, rows = run_killing_a_collector("ppo_cartpole.py", tmp_path / "run", *PPO_FLAGS)
+    assert "died with exit code -9, SIGKILL" in err and "restart 1 of --max-restarts 3" in err
+    assert rows[-1]["global_step"] == 8192 and rows[-1]["async/collector_restarts"] == 1
+    assert max(r["async/lag_max"] for r in rows) <= 1
+
+
+def test_a_deterministic_run_through_a_killed_collector_ends_bitwise_as_one_without(tmp_path):
+    """--deterministic: the restarted collector starts from what the dead one's batch started from (random
+    streams, the on-device env's state), so the run ends with the parameters of a run in which none died."""
+    params = []
+    for kill in (False, True):
+        err, rows = run_killing_a_collector("ppo_cartpole.py", tmp_path / f"kill{kill}", *PPO_FLAGS,
+                                            "--deterministic", kill=kill)
+        assert rows[-1]["async/collector_restarts"] == kill and rows[-1]["global_step"] == 8192
+        params.append(torch.load(next((tmp_path / f"kill{kill}").glob("*/checkpoint.pt")), weights_only=False)["agent"])
+    for name in params[0]:
+        assert torch.equal(params[0][name], params[1][name]), name
+
+
+GRPO_FLAGS = ("--total-timesteps", "320", "--num-prompts", "8", "--group-size", "4", "--micro-batch", "8", "--max-len",
+              "40", "--max-prompt-len", "24", "--num-slots", "16", "--sft-steps", "20", "--sft-batch", "16",
+              "--device", "cpu")
+
+
+def test_async_grpo_finishes_its_run_through_a_killed_collector(tmp_path):
+    """GRPO on the tiny model, one collector process SIGKILLed mid-run: every iteration trained, the restart
+    logged and counted, every token's lag within the bound."""
+    err, rows = run_killing_a_collector("grpo_arith.py", tmp_path / "run", *GRPO_FLAGS)
+    assert "died with exit code -9, SIGKILL" in err and "restart 1 of --max-restarts 3" in err
+    assert rows[-1]["global_step"] == 320 and rows[-1]["async/collector_restarts"] == 1
+    assert max(r["lag/token_max"] for r in rows) <= 1
+
+
+def test_a_deterministic_grpo_run_through_a_killed_collector_ends_bitwise_as_one_without(tmp_path):
+    params = []
+    for kill in (False, True):
+        _, rows = run_killing_a_collector("grpo_arith.py", tmp_path / f"kill{kill}", *GRPO_FLAGS, "--deterministic",
+                                          kill=kill)
+        assert rows[-1]["async/collector_restarts"] == kill
+        params.append(torch.load(next((tmp_path / f"kill{kill}").glob("grpo-*/checkpoint.pt")),
+                                 weights_only=False)["model"])
+    for name in params[0]:
+        assert torch.equal(params[0][name], params[1][name]), name
+
+
+def test_a_sigkilled_async_trainer_leaves_no_collector_behind_and_a_checkpoint_that_resumes(tmp_path):
+    """The trainer killed mid-run (between or inside its updates, publishes and checkpoint writes, wherever the
+    signal lands): its collectors leave by themselves, and the run resumes from its last checkpoint to its end."""
+    flags = ["--async", "--transport", "processes", "--num-collectors", "2", "--run-dir", str(tmp_path), "--no-progress",
+             "--log-every", "1", "--checkpoint-every", "1", "--update-epochs", "1", "--total-timesteps", "8192"]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("*/checkpoint.pt")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    children = descendants(proc.pid)
+    proc.kill()
+    proc.communicate()
+    deadline = time.time() + 30
+    while [p for p in children if os.path.exists(f"/proc/{p}")] and time.time() < deadline:
+        time.sleep(0.2)
+    assert [p for p in children if os.path.exists(f"/proc/{p}")] == []  # no orphaned collector
+    (checkpoint,) = tmp_path.glob("*/checkpoint.pt")
+    resumed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), *flags,
+                              "--resume", str(checkpoint)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_metrics(str(next(tmp_path.glob("*/metrics.jsonl"))))[-1]["global_step"] == 8192
+
+
+@pytest.mark.slow
+def test_a_torchrun_job_whose_collector_rank_dies_resumes_from_its_checkpoint(tmp_path):
+    """`--transport distributed`: a collector rank SIGKILLed mid-run stops the job within seconds with a clear
+    error; the job started again with --resume continues from its checkpoint to the end."""
+    def torchrun(*extra):
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                str(get_free_port()), os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport",
+                "distributed", "--num-collectors", "2", "--run-dir", str(tmp_path), "--no-progress", "--log-every",
+                "1", "--checkpoint-every", "1", "--update-epochs", "1", "--total-timesteps", "8192", *extra]
+    proc = subprocess.Popen(torchrun(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 400
+    while not list(tmp_path.glob("*/checkpoint.pt")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.2)
+    ranks = {int(dict(v.split("=", 1) for v in open(f"/proc/{p}/environ").read().split("\0") if "=" in v)["RANK"]): p
+             for p in descendants(proc.pid)
+             if b"ppo_cartpole.py" in open(f"/proc/{p}/cmdline", "rb").read()
+             and b"RANK=" in open(f"/proc/{p}/environ", "rb").read()}
+    killed_at = time.time()
+    os.kill(ranks[2], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - killed_at < 60, err[-3000:]
+    (checkpoint,) = tmp_path.glob("*/checkpoint.pt")
+    saved_step = torch.load(checkpoint, weights_only=False)["global_step"]
+    resumed = subprocess.run(torchrun("--resume", str(checkpoint)), cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(str(next(tmp_path.glob("*/metrics.jsonl"))))
+    steps = [r["global_step"] for r in rows]
+    assert steps == list(range(256, 8192 + 1, 256)) and saved_step in steps  # from the checkpoint on, no gap

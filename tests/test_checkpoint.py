@@ -38,3 +38,34 @@ def test_save_on_interrupt_saves_on_sigterm_reraises_and_restores_the_handler(tm
     with leanrl.save_on_interrupt(str(tmp_path / "other.pt"), lambda: {}):
         pass  # no interrupt: nothing saved
     assert not os.path.exists(tmp_path / "other.pt") and signal.getsignal(signal.SIGTERM) is before
+
+
+WRITER = """
+import sys, torch, leanrl
+path, start = sys.argv[1], int(sys.argv[2])
+big = torch.ones(4_000_000)  # a write long enough for a kill to land inside it
+for n in range(start, start + 10_000):
+    leanrl.save_checkpoint(path, dict(n=n, weights=big * n))
+    print(n, flush=True)
+"""
+
+
+def test_a_sigkill_during_checkpoint_writes_leaves_a_checkpoint_that_loads(tmp_path):
+    """A process writing checkpoints back to back, SIGKILLed at random moments (most land inside a write): every
+    time, the checkpoint there loads whole, and it is the newest the process finished."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    path, rng, done = str(tmp_path / "checkpoint.pt"), random.Random(0), 0
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, path, str(done)], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # one checkpoint written
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        finished = [int(line) for line in proc.communicate()[0].split()]
+        state = leanrl.load_checkpoint(path)
+        assert state["n"] >= max(finished, default=done)  # a finished write is never lost
+        assert torch.equal(state["weights"], torch.full_like(state["weights"], state["n"]))  # and none is torn
+        done = state["n"] + 1

@@ -58,7 +58,8 @@ def test_a_finished_run_prints_its_summary_and_saves_its_flags(finished_cartpole
     state = torch.load(checkpoint, weights_only=False)
     assert state["algorithm"] == "ppo_async" and config == {k: state["args"][k] for k in config}
     # a run without --async: config.json leaves out what only --async reads; the checkpoint keeps every flag
-    async_only = {"num_collectors", "max_lag", "publish_every", "deterministic", "transport", "correction", "is_clip"}
+    async_only = {"num_collectors", "max_lag", "publish_every", "deterministic", "transport", "correction", "is_clip",
+                  "max_restarts"}
     assert config["async_"] is False and set(state["args"]) - set(config) == async_only
 
 

@@ -123,7 +123,8 @@ def evaluate(args: Args) -> dict:
             solved.setdefault(pid, []).append(reward >= 1)
             scores.append(reward)
     ks = [k for k in (2 ** i for i in range(K.bit_length())) if k <= K] + ([K] if K & (K - 1) else [])
-    result = dict(model_path=os.path.abspath(args.model_path), task=repr(task), problems=len(solved), samples=K,
+    path = os.path.abspath(args.model_path) if os.path.isdir(args.model_path) else args.model_path  # or a name
+    result = dict(model_path=path, task=repr(task), problems=len(solved), samples=K,
                   solve_rate=mean_and_error([sum(s) / len(s) for s in solved.values()]),
                   mean_score=mean_and_error(scores), unparsed_frac=unparsed / len(scores),
                   pass_at_k={k: mean_and_error([pass_at_k(len(s), sum(s), k) for s in solved.values()]) for k in ks},

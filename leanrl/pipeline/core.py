@@ -36,9 +36,15 @@ class AsyncArgs:
     """batch i is produced exactly by version i - max_lag: bitwise reproducible whatever the speeds"""
     transport: Literal["threads", "processes", "distributed"] = field(default="threads", metadata=ASYNC_ONLY)
     """threads in one process, processes sharing memory, or torch.distributed ranks launched by torchrun"""
+    max_restarts: int = field(default=3, metadata=ASYNC_ONLY)
+    """restart a collector that died (an exception, a killed process) from the newest weights, at most this many
+    times in a run, before the run stops with the collector's error (0: stop at the first; threads and processes:
+    under torchrun, torchrun's own --max-restarts with --resume, docs/async.md)"""
 
 
-def check_settings(transport, num_collectors, max_lag, deterministic, publish_every=1):
+def check_settings(transport, num_collectors, max_lag, deterministic, publish_every=1, max_restarts=0):
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts {max_restarts}: cannot be negative")
     if transport not in TRANSPORTS:
         raise UsageError(f"--transport {transport!r}: choose one of {TRANSPORTS}")
     if num_collectors < 1:
@@ -73,6 +79,7 @@ class Stats:
         self.hist = torch.zeros(max_lag + 1, dtype=torch.int64)
         self.collector_times = collector_times  # per collector: [idle seconds, seconds since start]
         self.t_start, self.trainer_idle, self.depth_sum, self.n = time.perf_counter(), 0.0, 0, 0
+        self.restarts = 0  # collectors restarted after they died
 
     def summary(self) -> dict:
         n = max(int(self.hist.sum()), 1)
@@ -80,7 +87,8 @@ class Stats:
         out = {"async/lag_mean": float((self.hist * lags).sum()) / n,
                "async/lag_max": float(lags[self.hist > 0].max()) if self.hist.any() else 0.0,
                "async/trainer_idle_frac": self.trainer_idle / max(time.perf_counter() - self.t_start, 1e-9),
-               "async/queue_depth": self.depth_sum / max(self.n, 1)}
+               "async/queue_depth": self.depth_sum / max(self.n, 1),
+               "async/collector_restarts": float(self.restarts)}
         times = self.collector_times
         if times[:, 1].sum() > 0:
             out["async/collector_idle_frac"] = float(times[:, 0].sum() / times[:, 1].sum())
@@ -92,7 +100,7 @@ class Trainer:
     """The trainer's side: `batch = trainer.next_batch()` (ticket `trainer.version`, in order), train on it,
     then `trainer.publish(params)`. The batch is only valid until that publish. `weights` sends the published
     weights (`weights.publish(params, version)`). Subclasses provide `_poll(timeout)` (a message or None)
-    and `_slot(rank, seq)`."""
+    and may provide `_restart(rank, error)`, which brings a collector that died back (True) or declines (False)."""
 
     def __init__(self, weights, slots, stats, params, max_lag, timeout, publish_every=1):
         self.weights, self.slots, self.stats, self.params = weights, slots, stats, params
@@ -108,6 +116,9 @@ class Trainer:
     def __exit__(self, *exc):
         self.close()
 
+    def _restart(self, rank, error: str) -> bool:
+        return False
+
     def _slot(self, rank, seq):
         slots = self.slots[rank]
         return slots[seq % slots.shape[0]]
@@ -121,8 +132,12 @@ class Trainer:
             if msg is None:
                 continue
             kind, rank, a, b = msg
-            if kind == "error":
-                raise CollectorError(f"collector {rank} raised:\n{a}")
+            if kind in ("error", "died"):  # a traceback, or how a process without one ended
+                if self._restart(rank, a):
+                    continue
+                spent = f" (after {self.stats.restarts} restarts: --max-restarts)" if self.stats.restarts else ""
+                raise CollectorError(f"collector {rank} raised{spent}:\n{a}" if kind == "error" else
+                                     f"collector {rank} {a}{spent}")
             # Sequence numbers: each collector's batches arrive numbered 0, 1, 2, ...; a gap is a lost
             # batch, a repeat a duplicate, and a ticket already seen would be consumed twice.
             if a != self.next_seq[rank]:
