@@ -181,7 +181,9 @@ class DistCollector:
         torch._foreach_copy_(self.leaves, [c.view_as(t) for c, t in zip(flat.split(self.sizes), self.leaves)])
         self.version = version
 
-    def batches(self, params, template):
+    def batches(self, params, template, state=None):
+        """As `leanrl.pipeline.local.Collector.batches`; `state` goes unused: a rank that dies stops the job,
+        which restarts from its checkpoint (docs/async.md)."""
         self.leaves, flat = _flat(params)
         self.sizes = [t.numel() for t in self.leaves]
         threading.Thread(target=self._receive_weights, args=(torch.zeros_like(flat),), daemon=True).start()
