@@ -186,8 +186,9 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     state = {}
     if args.resume:  # before the collectors start, from its envs' statistics (None in a checkpoint made before)
         anneals = args.anneal_lr or args.anneal_clip  # without, a resumed run may go on longer
-        state = leanrl.load_checkpoint(args.resume, args, may_change=() if anneals else ("total_timesteps",))
-        leanrl.restore_rng(state)
+        state = leanrl.load_checkpoint(args.resume, args, may_change=() if anneals else ("total_timesteps",)) or {}
+        if state:  # (--resume auto finds none on a first attempt)
+            leanrl.restore_rng(state)
     resumed_statistics = state.get("statistics")
     if args.transport == "distributed":
         broadcast_from_rank_zero(resumed_statistics)
@@ -218,7 +219,7 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
     storage = ppo.make_storage(spec, args, device)
 
     iteration = 0
-    if args.resume:  # the learner resumes exactly
+    if state:  # the learner resumes exactly
         agent.load_state_dict(state["agent"])
         leanrl.load_optimizer_state(optimizer, state["optimizer"])
         iteration = state["iteration"]
@@ -255,7 +256,8 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             b = ppo.flat_batch(storage, advantages, returns)
             with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
                 b["proximal_logprobs"] = proximal_logprob(b["obs"], b["actions"])
-            update_metrics, grad_norm = learn(tuple(b[key] for key in MINIBATCH_KEYS), ppo.minibatches(args, batch_size, device))
+            update_metrics, grad_norm = learn(tuple(b[key] for key in MINIBATCH_KEYS),
+                                              ppo.minibatches(args, batch_size, device))
             trainer.publish()
             metrics = dict(zip(ppo.UPDATE_METRICS, (*update_metrics.unbind(), grad_norm, ppo.explained_variance(b))))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]

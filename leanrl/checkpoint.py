@@ -2,6 +2,7 @@
 compares with its own; on Ctrl-C or SIGTERM, a checkpoint saved before the run ends (`save_on_interrupt`)."""
 
 import contextlib
+import glob
 import os
 import random
 import signal
@@ -119,11 +120,24 @@ def check_resumable(path: str, state: dict, args, may_change=()) -> None:
                           f"the run's flags (in {config}) or start a new run")
 
 
-def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> dict:
+def find_checkpoint(args) -> str | None:
+    """The checkpoint `--resume` names: its path, or with `--resume auto` the newest checkpoint of this experiment
+    (its runs, `<run-dir>/*__<exp-name>__<seed>__*`), None while it has none: a job that torchrun starts again
+    (`--max-restarts`) with the same flags continues where the last attempt saved."""
+    if args.resume != "auto":
+        return args.resume
+    runs = os.path.join(glob.escape(args.run_dir), f"*__{glob.escape(args.exp_name)}__{args.seed}__*", "checkpoint.pt")
+    return max(glob.glob(runs), key=os.path.getmtime, default=None)
+
+
+def load_checkpoint(path: str, args=None, may_change=(), map_location="cpu") -> dict | None:
     """Load a checkpoint: its state, with the RNG states under "rng" (`restore_rng` continues them). With `args`,
     first check that this run may resume it (`check_resumable`: `may_change` names the flags this algorithm lets a
     resume change, e.g. total_timesteps where no schedule depends on it). Every failure is a one-line error naming
-    the file: load it before building anything, so that the line is the run's only output."""
+    the file: load it before building anything, so that the line is the run's only output. `path` "auto": as
+    `find_checkpoint` finds it (with `args`); None when there is none yet."""
+    if path == "auto" and (path := find_checkpoint(args)) is None:
+        return None
     if not os.path.isfile(path):
         raise CheckpointError(f"--resume {path}: no checkpoint at that path")
     try:

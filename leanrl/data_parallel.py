@@ -24,6 +24,17 @@ SUMMED = ("lag/token_hist_", "lag/sequence_hist_", "async/lag_hist_", "charts/ze
           "perf/sampled_tokens_per_s", "perf/trained_tokens_per_s")
 
 
+
+def init_torchrun_group(backend: str):
+    """Join the process group of the ranks torchrun started. A job torchrun starts again (`--max-restarts`) meets
+    the previous attempt's addresses in torchrun's store, which it keeps: each attempt's keys stay apart."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"leanrl/attempt_{attempt}", store), rank=rank,
+                            world_size=world)
+
 class DataParallel:
     def __init__(self, device: torch.device, world: int = 1, rank: int = 0):
         self.device, self.world, self.rank = device, world, rank
@@ -43,7 +54,7 @@ class DataParallel:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+            init_torchrun_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         return cls(device, world, dist.get_rank())
 
     def logging(self, args, run_dir: str, total_steps: int, start_step: int, checkpoint: str, state_fn, **kwargs):

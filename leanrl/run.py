@@ -10,7 +10,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from leanrl.checkpoint import algorithm_of
+from leanrl.checkpoint import algorithm_of, find_checkpoint
 from leanrl.cli import UsageError
 
 
@@ -47,7 +47,8 @@ class RunArgs:
     checkpoint_every: int = 50
     """save a checkpoint every this many iterations (0: only at exit)"""
     resume: str | None = None
-    """path of a checkpoint to resume from"""
+    """path of a checkpoint to resume from; `auto`: this experiment's newest checkpoint under --run-dir if it has
+    one, else a fresh start (the flag for a job torchrun restarts: `torchrun --max-restarts N`)"""
     progress: bool = True
     """show a tqdm progress bar"""
 
@@ -127,8 +128,8 @@ def make_run_dir(args: RunArgs, env_id: str) -> str:
     """`runs/<env>__<exp>__<seed>__<time>`, created here, or the directory of the checkpoint being resumed. Runs
     that start in the same second with the same name (a sweep launched in parallel) each get a directory of their
     own: `<time>-2`, `<time>-3`, ... (before, they shared one: interleaved metrics, one checkpoint)."""
-    if args.resume:
-        return os.path.dirname(os.path.abspath(args.resume))
+    if args.resume and (checkpoint := find_checkpoint(args)):
+        return os.path.dirname(os.path.abspath(checkpoint))
     base = os.path.join(args.run_dir, f"{path_safe(env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}")
     os.makedirs(args.run_dir, exist_ok=True)
     for n in itertools.count(1):

@@ -48,10 +48,10 @@ def scan_env_steps(step, envs, accel: Acceleration, name: str = "rollout"):
 def scan_gradient_steps(loss, module: torch.nn.Module, optimizer: torch.optim.Adam, max_grad_norm: float,
                         accel: Acceleration, name: str = "update"):
     """`steps(batch, indices) -> (aux, grad_norm)`: for every row of `indices` (one minibatch's indices into each
-    tensor of the tuple `batch`), one optimizer step on `loss(module, *minibatch) -> (value, aux)` (`aux` a tensor), its gradients
-    clipped to `max_grad_norm`, at the optimizer's learning rate; the last step's `aux` and gradient norm, as a
-    loop of plain steps returns them. The same `loss` a plain update calls: it runs on the carried parameters,
-    swapped into `module` for the call."""
+    tensor of the tuple `batch`), one optimizer step on `loss(module, *minibatch) -> (value, aux)` (`aux` a
+    tensor), its gradients clipped to `max_grad_norm`, at the optimizer's learning rate; the last step's `aux` and
+    gradient norm, as a loop of plain steps returns them. The same `loss` a plain update calls: it runs on the
+    carried parameters, swapped into `module` for the call."""
     adam = FunctionalAdam(dict(module.named_parameters()), optimizer)
 
     def params_loss(params, minibatch):

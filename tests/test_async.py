@@ -297,7 +297,8 @@ def test_scanned_corrected_update_epochs_match_eager(correction):
             learn = functools.partial(ppo.update_epochs, functools.partial(
                 ppo.update, agent, optimizer, loss, args.max_grad_norm))
         torch.manual_seed(2)
-        results.append((learn(tuple(b[key] for key in ppo_async.MINIBATCH_KEYS), ppo.minibatches(args, B, "cpu")), agent))
+        minibatch = tuple(b[key] for key in ppo_async.MINIBATCH_KEYS)
+        results.append((learn(minibatch, ppo.minibatches(args, B, "cpu")), agent))
     (eager_out, eager_agent), (scan_out, scan_agent) = results
     torch.testing.assert_close(scan_out, eager_out, rtol=1e-4, atol=1e-5)
     for (name, e), c in zip(eager_agent.named_parameters(), scan_agent.parameters()):
@@ -472,8 +473,9 @@ def test_a_deterministic_grpo_run_through_a_killed_collector_ends_bitwise_as_one
 def test_a_sigkilled_async_trainer_leaves_no_collector_behind_and_a_checkpoint_that_resumes(tmp_path):
     """The trainer killed mid-run (between or inside its updates, publishes and checkpoint writes, wherever the
     signal lands): its collectors leave by themselves, and the run resumes from its last checkpoint to its end."""
-    flags = ["--async", "--transport", "processes", "--num-collectors", "2", "--run-dir", str(tmp_path), "--no-progress",
-             "--log-every", "1", "--checkpoint-every", "1", "--update-epochs", "1", "--total-timesteps", "8192"]
+    flags = ["--async", "--transport", "processes", "--num-collectors", "2", "--run-dir", str(tmp_path),
+             "--no-progress", "--log-every", "1", "--checkpoint-every", "1", "--update-epochs", "1",
+             "--total-timesteps", "8192"]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), *flags], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -496,15 +498,16 @@ def test_a_sigkilled_async_trainer_leaves_no_collector_behind_and_a_checkpoint_t
 
 
 @pytest.mark.slow
-def test_a_torchrun_job_whose_collector_rank_dies_resumes_from_its_checkpoint(tmp_path):
-    """`--transport distributed`: a collector rank SIGKILLed mid-run stops the job within seconds with a clear
-    error; the job started again with --resume continues from its checkpoint to the end."""
-    def torchrun(*extra):
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
-                str(get_free_port()), os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async", "--transport",
-                "distributed", "--num-collectors", "2", "--run-dir", str(tmp_path), "--no-progress", "--log-every",
-                "1", "--checkpoint-every", "1", "--update-epochs", "1", "--total-timesteps", "8192", *extra]
-    proc = subprocess.Popen(torchrun(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_a_torchrun_job_whose_collector_rank_dies_restarts_and_resumes_from_its_checkpoint(tmp_path):
+    """`--transport distributed` under `torchrun --max-restarts 1`, `--resume auto`: a collector rank SIGKILLed
+    mid-run stops the attempt within seconds; torchrun starts the job again, which resumes from the last checkpoint
+    and runs to the end, every iteration logged once."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "1",
+           "--master-port", str(get_free_port()), os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--async",
+           "--transport", "distributed", "--num-collectors", "2", "--run-dir", str(tmp_path), "--no-progress",
+           "--log-every", "1", "--checkpoint-every", "1", "--update-epochs", "1", "--total-timesteps", "8192",
+           "--resume", "auto"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 400
     while not list(tmp_path.glob("*/checkpoint.pt")):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
@@ -513,15 +516,9 @@ def test_a_torchrun_job_whose_collector_rank_dies_resumes_from_its_checkpoint(tm
              for p in descendants(proc.pid)
              if b"ppo_cartpole.py" in open(f"/proc/{p}/cmdline", "rb").read()
              and b"RANK=" in open(f"/proc/{p}/environ", "rb").read()}
-    killed_at = time.time()
     os.kill(ranks[2], signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and time.time() - killed_at < 60, err[-3000:]
-    (checkpoint,) = tmp_path.glob("*/checkpoint.pt")
-    saved_step = torch.load(checkpoint, weights_only=False)["global_step"]
-    resumed = subprocess.run(torchrun("--resume", str(checkpoint)), cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(list(tmp_path.glob("*/checkpoint.pt"))) == 1  # the second attempt went on in the first one's run
     rows = read_metrics(str(next(tmp_path.glob("*/metrics.jsonl"))))
-    steps = [r["global_step"] for r in rows]
-    assert steps == list(range(256, 8192 + 1, 256)) and saved_step in steps  # from the checkpoint on, no gap
+    assert [r["global_step"] for r in rows] == list(range(256, 8192 + 1, 256))  # from the checkpoint on, no gap

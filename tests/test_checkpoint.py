@@ -69,3 +69,20 @@ def test_a_sigkill_during_checkpoint_writes_leaves_a_checkpoint_that_loads(tmp_p
         assert state["n"] >= max(finished, default=done)  # a finished write is never lost
         assert torch.equal(state["weights"], torch.full_like(state["weights"], state["n"]))  # and none is torn
         done = state["n"] + 1
+
+
+def test_resume_auto_finds_this_experiments_newest_checkpoint_or_starts_fresh(tmp_path):
+    """`--resume auto` (a job torchrun starts again): the newest checkpoint of the runs of this experiment and seed
+    under --run-dir, none before the first is written (a fresh start, in a new run directory)."""
+    from leanrl.algorithms import ppo
+
+    args = ppo.Args(env_id="torch/CartPole-v1", exp_name="exp", seed=3, run_dir=str(tmp_path), resume="auto")
+    assert leanrl.load_checkpoint("auto", args) is None
+    fresh = leanrl.make_run_dir(args, args.env_id)
+    assert os.path.dirname(fresh) == str(tmp_path)
+    for name, n in (("torch-CartPole-v1__exp__3__100", 1), ("torch-CartPole-v1__exp__3__200", 2),
+                    ("torch-CartPole-v1__other__3__300", 3), ("torch-CartPole-v1__exp__4__400", 4)):
+        leanrl.save_checkpoint(str(tmp_path / name / "checkpoint.pt"), dict(n=n))
+        os.utime(tmp_path / name / "checkpoint.pt", (n, n))  # written in this order
+    assert leanrl.load_checkpoint("auto", args)["n"] == 2  # not another experiment's, nor another seed's
+    assert leanrl.make_run_dir(args, args.env_id) == str(tmp_path / "torch-CartPole-v1__exp__3__200")

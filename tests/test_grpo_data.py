@@ -112,7 +112,8 @@ def test_unparsed_completions_are_counted_apart_from_wrong_and_truncated_ones(tm
     L = max(map(len, ids))
     batch = TensorDict(tokens=torch.tensor([i + [0] * (L - len(i)) for i in ids]),
                        prompt_length=torch.zeros(4, dtype=torch.long),
-                       completion_length=torch.tensor([len(i) for i in ids]), prompt_id=torch.zeros(4, dtype=torch.long),
+                       completion_length=torch.tensor([len(i) for i in ids]),
+                       prompt_id=torch.zeros(4, dtype=torch.long),
                        finished=torch.tensor(finished), batch_size=[4])
     rewards, unparsed = score(task, tokenizer, batch, seed=0)
     assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and unparsed.tolist() == [False, False, True, False]

@@ -70,8 +70,8 @@ def prepare_model(args, task, device) -> str:
 def check_task(args, task):
     """The task fits the model: the tiny model's character tokenizer needs the task's `alphabet`."""
     if args.model == "tiny" and not args.model_path and not isinstance(getattr(task, "alphabet", None), str):
-        raise UsageError(f"--task {task_name(args)!r}: the tiny model's character tokenizer needs its `alphabet` (a string "
-                         "of every character its prompts and answers use); or use --model/--model-path")
+        raise UsageError(f"--task {task_name(args)!r}: the tiny model's character tokenizer needs its `alphabet` (a "
+                         "string of every character its prompts and answers use); or use --model/--model-path")
 
 
 def load_policy(args, task, device, model_dir: str | None = None, processes: int = 1):

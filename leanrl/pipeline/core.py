@@ -39,7 +39,7 @@ class AsyncArgs:
     max_restarts: int = field(default=3, metadata=ASYNC_ONLY)
     """restart a collector that died (an exception, a killed process) from the newest weights, at most this many
     times in a run, before the run stops with the collector's error (0: stop at the first; threads and processes:
-    under torchrun, torchrun's own --max-restarts with --resume, docs/async.md)"""
+    under torchrun, torchrun's own --max-restarts with --resume auto, docs/async.md)"""
 
 
 def check_settings(transport, num_collectors, max_lag, deterministic, publish_every=1, max_restarts=0):

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from leanrl.graph_threads import sync_cuda
 from leanrl.cli import UsageError
+from leanrl.data_parallel import init_torchrun_group
 from leanrl.pipeline.core import Stats, Stopped, Trainer, check_settings
 
 BATCH, ERROR, DONE = 0, 1, 2
@@ -76,7 +77,7 @@ def join(num_collectors, device: torch.device) -> torch.device:
         if "RANK" not in os.environ:
             raise UsageError("--transport distributed: launch with torchrun, one rank per collector and one for the "
                              f"trainer: torchrun --nproc-per-node {num_collectors + 1} {shlex.join(sys.argv)}")
-        dist.init_process_group("gloo")
+        init_torchrun_group("gloo")
     if dist.get_world_size() != num_collectors + 1:
         raise UsageError(f"--num-collectors {num_collectors} needs a world of {num_collectors + 1} ranks "
                          f"(one trainer), torchrun started {dist.get_world_size()}")

@@ -2,9 +2,9 @@
 
 Batches live in preallocated slots (`max_lag + 1` per collector, shared memory for processes); a message
 carries only `(collector, sequence number, ticket)`, on a queue among threads, on a pipe of its own from each
-collector process (a process killed mid-message breaks its own pipe, not the others'). The trainer trains from the slot and the slot is
-reused only once its ticket is consumed: a collector's `max_lag + 2` latest tickets are distinct and at
-most `version + max_lag`, so the oldest of them is below `version`, already consumed.
+collector process (a process killed mid-message breaks its own pipe, not the others'). The trainer trains from the
+slot and the slot is reused only once its ticket is consumed: a collector's `max_lag + 2` latest tickets are
+distinct and at most `version + max_lag`, so the oldest of them is below `version`, already consumed.
 
 A collector that dies (it raised, or its process was killed) is started again, up to `max_restarts` times in a
 run: the new one continues the dead one's sequence numbers and first produces the tickets it took and never
