@@ -421,6 +421,38 @@ def run_killing_a_collector(script, run_dir, *flags, kill=True):
 
 PPO_FLAGS = ("--total-timesteps", "8192", "--update-epochs", "1")
 
+FAILING_ENV = """
+import os, gymnasium as gym
+from gymnasium.envs.classic_control import CartPoleEnv
+
+class FailingCartPole(CartPoleEnv):  # its 300th step raises, once in a run (in the collector that gets there first)
+    steps = 0
+    def step(self, action):
+        FailingCartPole.steps += 1
+        if FailingCartPole.steps == 300 and not os.path.exists("failed"):
+            open("failed", "w").close()
+            raise RuntimeError("the simulator fails at step 300")
+        return super().step(action)
+
+gym.register("FailingCartPole-v0", entry_point=FailingCartPole, max_episode_steps=500)
+"""
+
+
+def test_an_env_that_raises_inside_a_collector_is_restarted_and_the_run_finishes(tmp_path):
+    """A gymnasium env of the user's that raises at a chosen step, inside a collector process of async PPO: the
+    collector is started again with the newest weights and the run trains every iteration."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "failing_env.py").write_text(FAILING_ENV)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "ppo_cartpole.py"), "--env-id",
+                           "failing_env:FailingCartPole-v0", "--async", "--transport", "processes", "--num-collectors",
+                           "2", "--max-lag", "1", "--run-dir", str(run_dir), "--no-progress", "--log-every", "1",
+                           "--num-envs", "2", *PPO_FLAGS], cwd=run_dir, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised RuntimeError: the simulator fails at step 300; started again" in proc.stderr
+    rows = read_metrics(str(next(run_dir.glob("*/metrics.jsonl"))))
+    assert rows[-1]["global_step"] == 8192 and rows[-1]["async/collector_restarts"] == 1
+
 
 def test_async_ppo_finishes_its_run_through_a_killed_collector(tmp_path):
     """PPO on CartPole over the processes transport, one collector SIGKILLed mid-run: the run ends with all its
