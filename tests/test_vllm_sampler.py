@@ -377,8 +377,8 @@ def test_grpo_on_the_vllm_sampler_learns_within_the_lag_bound(mode, tmp_path):
 
 def test_killing_the_engine_stops_the_run_with_a_clear_error(tmp_path):
     """Async GRPO on vLLM with the engine in its own process (vLLM's EngineCore, under the collector): killed
-    mid-run, the trainer stops within seconds with an error naming the engine, no process of the run is left
-    behind, and the last checkpoint loads."""
+    mid-run, with no collector restarts allowed (--max-restarts 0), the trainer stops within seconds with an error
+    naming the engine, no process of the run is left behind, and the last checkpoint loads."""
     import signal
     import subprocess
     import sys
@@ -388,7 +388,7 @@ def test_killing_the_engine_stops_the_run_with_a_clear_error(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "grpo_arith.py"), "--sampler", "vllm", "--tiny-hidden", "128",
            "--total-timesteps", "100000", "--sft-steps", "20", "--run-dir", str(tmp_path), "--no-progress",
            "--log-every", "1", "--checkpoint-every", "1", "--async", "--max-lag", "2", "--num-collectors", "1",
-           "--transport", "processes"]
+           "--transport", "processes", "--max-restarts", "0"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine runs in a process of its own
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
