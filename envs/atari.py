@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from leanrl.cli import UsageError, missing_extra, require_extra
-from leanrl.gym_adapter import to_device, to_device_dict
+from leanrl.gym_adapter import StepToDevice, to_device
 
 from .gym import RecordEndedEpisodes
 
@@ -67,6 +67,7 @@ class AtariEnv:
                 repeat_action_probability=repeat_action_probability, **ale_kwargs,
             )
         self.num_envs, self.device, self.episodic_life, self._seed = num_envs, torch.device(device), episodic_life, seed
+        self.to_device = StepToDevice(device)
         self.single_observation_space = self.env.single_observation_space
         self.single_action_space = self.env.single_action_space
 
@@ -81,9 +82,8 @@ class AtariEnv:
     def step(self, action: torch.Tensor) -> dict:
         obs, reward, terminated, truncated, info = self.env.step(action.cpu().numpy())
         game_over = terminated | truncated
-        final_obs = obs.copy()
-        if game_over.any():  # info has final_obs only then (an object array from gymnasium's SyncVectorEnv)
-            final_obs[game_over] = np.stack(info["final_obs"][game_over])
+        # info has final_obs only where a game ended (an object array from gymnasium's SyncVectorEnv)
+        final_rows = np.stack(info["final_obs"][game_over]) if game_over.any() else None
         self.game_return += reward
         self.game_length += 1
         episode_return = np.where(game_over, self.game_return, 0.0)
@@ -93,12 +93,9 @@ class AtariEnv:
         if self.episodic_life:  # the game continues after a lost life, so next_obs is the true next obs
             terminated = terminated | (info["lives"] < self.lives)
         self.lives = info["lives"]
-        return to_device_dict(dict(
-            next_obs=torch.from_numpy(obs), final_obs=torch.from_numpy(final_obs),
-            reward=torch.from_numpy(reward.astype(np.float32)),
-            terminated=torch.from_numpy(terminated), truncated=torch.from_numpy(truncated),
-            episode_return=torch.from_numpy(episode_return.astype(np.float32)),
-            episode_length=torch.from_numpy(episode_length)), self.device)
+        return self.to_device(obs, game_over, final_rows, reward=reward.astype(np.float32), terminated=terminated,
+                              truncated=truncated, episode_return=episode_return.astype(np.float32),
+                              episode_length=episode_length)
 
     def statistics(self) -> dict:
         return {}  # nothing is normalized

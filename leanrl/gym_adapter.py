@@ -27,10 +27,72 @@ def to_device(x, device: torch.device):
     return x.to(device)
 
 
-def to_device_dict(tensors: dict, device: torch.device) -> dict:
-    """A step's host tensors on `device` (see `to_device`), as a plain dict: a TensorDict's bookkeeping, made anew at
-    every step, cost more host time than the rest of a step's conversion."""
-    return tensors if device.type == "cpu" else {name: to_device(t, device) for name, t in tensors.items()}
+class StepToDevice:
+    """A host env step's arrays as the step's dict of tensors on `device`, in one host-to-device copy: every array
+    the env returns is packed into one host buffer (pinned on CUDA, so the copy does not block) and viewed back on
+    the device, and of `final_obs` only the rows of the envs whose episode ended travel (the rest is `next_obs`).
+    On a CPU the arrays become tensors without a copy."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.pack = self.device.type != "cpu"  # (a CPU's tensors share the arrays' memory; tests pack there too)
+        self.layout = None  # name -> (byte offset, shape, dtype) in the packed buffer, fixed by the first step
+        self.copied = None  # (CUDA) the last copy out of the host buffer, awaited before the buffer is written again
+
+    def __call__(self, next_obs: np.ndarray, done: np.ndarray, final_rows: np.ndarray | None, **arrays) -> dict:
+        """`final_rows`: the final observations of the envs where `done` (None where none is); `arrays`: the
+        step's other per-env arrays, returned under their names."""
+        if not self.pack:
+            final_obs = next_obs.copy()
+            if final_rows is not None:
+                final_obs[done] = final_rows
+            return dict(next_obs=torch.from_numpy(next_obs), final_obs=torch.from_numpy(final_obs),
+                        **{name: torch.from_numpy(a) for name, a in arrays.items()})
+        ended = np.flatnonzero(done)
+        parts = dict(next_obs=next_obs, **arrays, ended=ended)
+        if self.layout is None:
+            self._allocate(parts)
+        if self.copied is not None:
+            self.copied.synchronize()  # long done in practice: the policy's action came to the host since
+        for name, a in parts.items():
+            self.views[name][: len(a)] = a
+        if final_rows is not None:
+            self.views["final_rows"][: len(ended)] = final_rows
+        # the packed bytes up to this step's last final row (final_rows is last in the buffer)
+        size = self.layout["final_rows"][0] + len(ended) * (next_obs.nbytes // len(next_obs))
+        packed = torch.empty(size, dtype=torch.uint8, device=self.device)  # new memory: the last step's stays
+        packed.copy_(self.host[:size], non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        out = {name: self._view(packed, name, len(ended) if name in ("ended", "final_rows") else len(next_obs))
+               for name in self.layout}
+        ended, final_rows = out.pop("ended"), out.pop("final_rows")
+        out["final_obs"] = out["next_obs"].clone()
+        if len(ended):
+            out["final_obs"].index_copy_(0, ended, final_rows)
+        return out
+
+    def _allocate(self, parts: dict):
+        """The buffer's layout: each array at an 8-byte aligned offset, room for every env's index and final row."""
+        n = len(parts["next_obs"])
+        shapes = {name: a.shape for name, a in parts.items()} | {"ended": (n,), "final_rows": parts["next_obs"].shape}
+        dtypes = {name: a.dtype for name, a in parts.items()} | {"final_rows": parts["next_obs"].dtype}
+        self.layout, size = {}, 0
+        for name in (*parts, "final_rows"):
+            dtype = torch.from_numpy(np.empty(0, dtypes[name])).dtype
+            self.layout[name] = (size, shapes[name], dtype)
+            size += -(-int(np.prod(shapes[name], dtype=np.int64)) * dtype.itemsize // 8) * 8
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self.views = {name: self._view(self.host, name, shape[0]).numpy()
+                      for name, (_, shape, _) in self.layout.items()}
+
+    def _view(self, packed: torch.Tensor, name: str, rows: int) -> torch.Tensor:
+        """`name`'s first `rows` rows in the packed bytes."""
+        offset, shape, dtype = self.layout[name]
+        shape = (rows, *shape[1:])
+        count = int(np.prod(shape, dtype=np.int64))
+        return packed[offset: offset + count * dtype.itemsize].view(dtype).view(shape)
 
 
 def _records_episodes(env) -> bool:
@@ -60,6 +122,7 @@ class TorchVectorEnv:
         self.single_action_space = env.single_action_space
         self.env = env if _records_episodes(env) else RecordEpisodeStatistics(env)
         self.num_envs, self.device = env.num_envs, torch.device(device)
+        self.to_device = StepToDevice(device)
 
     def normalize_obs(self, obs: np.ndarray, update: bool) -> np.ndarray:
         """The observation the agent sees (`update`: this is a new next observation, not a final one)."""
@@ -75,17 +138,14 @@ class TorchVectorEnv:
     def step(self, action: torch.Tensor) -> dict:
         obs, reward, terminated, truncated, info = self.env.step(action.cpu().numpy())
         next_obs = self.normalize_obs(obs, update=True)  # statistics see each next observation once
-        final_obs = next_obs.copy()
         done = terminated | truncated
-        if done.any():  # the true last observation only where an episode ended
-            final_obs[done] = self.normalize_obs(np.stack(info["final_obs"][done]), update=False)
+        final_rows = self.normalize_obs(np.stack(info["final_obs"][done]), update=False) if done.any() else None
         episode = info.get("episode", {"r": np.zeros(self.num_envs), "l": np.zeros(self.num_envs, dtype=np.int64)})
-        return to_device_dict(dict(
-            next_obs=self._tensor(next_obs), final_obs=self._tensor(final_obs),
-            reward=torch.from_numpy(np.asarray(reward, dtype=np.float32)),
-            terminated=torch.from_numpy(terminated), truncated=torch.from_numpy(truncated),
-            episode_return=torch.from_numpy(episode["r"].astype(np.float32)),
-            episode_length=torch.from_numpy(episode["l"].astype(np.int64))), self.device)
+        return self.to_device(
+            np.asarray(next_obs, dtype=np.float32), done,
+            None if final_rows is None else np.asarray(final_rows, dtype=np.float32),
+            reward=np.asarray(reward, dtype=np.float32), terminated=terminated, truncated=truncated,
+            episode_return=episode["r"].astype(np.float32), episode_length=episode["l"].astype(np.int64))
 
     def statistics(self) -> dict:
         return {}

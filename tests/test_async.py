@@ -554,3 +554,61 @@ def test_a_torchrun_job_whose_collector_rank_dies_restarts_and_resumes_from_its_
     assert len(list(tmp_path.glob("*/checkpoint.pt"))) == 1  # the second attempt went on in the first one's run
     rows = read_metrics(str(next(tmp_path.glob("*/metrics.jsonl"))))
     assert [r["global_step"] for r in rows] == list(range(256, 8192 + 1, 256))  # from the checkpoint on, no gap
+
+
+KILLED_MID_PUBLISH = """
+import os, runpy, signal, sys
+from leanrl.pipeline.weights import WeightRing
+
+publish = WeightRing.publish
+
+def publish_and_die_halfway(self, params, version):
+    # the writer's steps up to half of the copy, then the trainer is SIGKILLed: the slot's seq stays odd
+    if version == int(os.environ["KILL_AT_VERSION"]):
+        slot = version % self.slots
+        self.header[slot, 0] += 1
+        keys = list(params.keys(True, True))
+        for key in keys[: len(keys) // 2]:
+            self.weights[slot][key].copy_(params[key].detach())
+        os.kill(os.getpid(), signal.SIGKILL)
+    publish(self, params, version)
+
+if __name__ == "__main__":  # not in the collector processes (spawned: they import this file as __mp_main__)
+    WeightRing.publish = publish_and_die_halfway
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_trainer_sigkilled_inside_a_weight_publish_leaves_a_checkpoint_that_resumes(tmp_path):
+    """The trainer SIGKILLed halfway through copying version 6 into the shared weight ring (its slot left marked
+    as being written, the newest version still 5): the collectors leave within seconds, and the run resumes from
+    its last checkpoint to its end, every iteration logged once."""
+    (tmp_path / "killed_mid_publish.py").write_text(KILLED_MID_PUBLISH)
+    flags = ["--async", "--transport", "processes", "--num-collectors", "2", "--max-lag", "1", "--run-dir",
+             str(tmp_path), "--no-progress", "--log-every", "1", "--checkpoint-every", "1", "--update-epochs", "1",
+             "--total-timesteps", "8192"]
+    script = os.path.join(ROOT, "scripts", "ppo_cartpole.py")
+    proc = subprocess.Popen([sys.executable, "killed_mid_publish.py", script, *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, KILL_AT_VERSION="6"))
+    deadline, children = time.time() + 300, set()
+    while proc.poll() is None:  # its collectors, while they live
+        assert time.time() < deadline, "no publish killed in 300 s"
+        children |= set(descendants(proc.pid))
+        time.sleep(0.05)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    assert len(children) >= 2
+    deadline = time.time() + 30
+    while [p for p in children if os.path.exists(f"/proc/{p}")] and time.time() < deadline:
+        time.sleep(0.2)
+    assert [p for p in children if os.path.exists(f"/proc/{p}")] == []  # no collector left waiting on the torn slot
+    (checkpoint,) = tmp_path.glob("*/checkpoint.pt")
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["iteration"] == 5  # the last update whose weights were published whole
+    resumed = subprocess.run([sys.executable, script, *flags, "--resume", "auto"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(str(next(tmp_path.glob("*/metrics.jsonl"))))
+    assert [r["global_step"] for r in rows] == list(range(256, 8192 + 1, 256))

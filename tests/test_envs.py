@@ -367,3 +367,40 @@ def test_video_folder_errors_name_the_input(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="video_folder .* is a file"):
         make_env("ALE/Breakout-v5", 2, video_folder=tmp_path / "file")
     assert not folder.exists()  # nothing was made
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("env_id, kwargs", [("CartPole-v1", {}), ("HalfCheetah-v5", dict(max_episode_steps=15)),
+                                            ("BreakoutNoFrameskip-v4", dict(max_num_frames_per_episode=120))])
+def test_a_step_packed_for_one_device_copy_is_the_step(env_id, kwargs, device, tmp_path, monkeypatch):
+    """The packed path of a GPU run (every array in one buffer, one host-to-device copy, final_obs rows only where
+    an episode ended), on the GPU and forced on a CPU, against the CPU's unpacked step: the same tensors, dtypes and
+    shapes at every step, episode ends included; on a GPU, one host-to-device copy per step."""
+    monkeypatch.chdir(tmp_path)  # mujoco writes MUJOCO_LOG.TXT into the cwd
+    plain, packed = make_env(env_id, 3, seed=5, **kwargs), make_env(env_id, 3, device, seed=5, **kwargs)
+    packed.to_device.pack = True
+    assert torch.equal(plain.reset(), packed.reset().cpu())
+    gen, ended = torch.Generator().manual_seed(0), 0
+    space = plain.single_action_space
+    for t in range(60):
+        action = (torch.randint(int(space.n), (3,), generator=gen) if hasattr(space, "n") else
+                  torch.rand(3, *space.shape, generator=gen) * 2 - 1)
+        a, action = plain.step(action), action.to(device)
+        if device == "cuda" and t == 30:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                b = packed.step(action)
+                torch.cuda.synchronize()
+            assert sum(e.name.startswith("Memcpy HtoD") for e in prof.events()) == 1
+        else:
+            b = packed.step(action)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key].device.type == device and a[key].dtype == b[key].dtype, key
+            assert torch.equal(a[key], b[key].cpu()), key
+        done = a["episode_length"] > 0  # an episode ended (Atari: a game, not a life)
+        ended += int(done.sum())
+        if done.any() and not done.all():
+            assert not torch.equal(b["final_obs"], b["next_obs"])  # the final rows went in, the others are next_obs
+    assert ended >= 3
+    plain.close(), packed.close()

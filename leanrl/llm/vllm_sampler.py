@@ -191,8 +191,7 @@ class VLLMSampler:
         try:
             yield
         except self._engine_dead as e:
-            raise RuntimeError("the vLLM engine process (EngineCore) died: killed, or out of memory? The run cannot "
-                               "go on; resume it from its last checkpoint") from e
+            raise RuntimeError("the vLLM engine process (EngineCore) died: killed, or out of memory?") from e
 
     def _on_params_device(self):
         """NCCL and IPC work on the current CUDA device: the weights' own."""

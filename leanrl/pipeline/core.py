@@ -136,8 +136,9 @@ class Trainer:
                 if self._restart(rank, a):
                     continue
                 spent = f" (after {self.stats.restarts} restarts: --max-restarts)" if self.stats.restarts else ""
-                raise CollectorError(f"collector {rank} raised{spent}:\n{a}" if kind == "error" else
-                                     f"collector {rank} {a}{spent}")
+                raise CollectorError((f"collector {rank} raised{spent}:\n{a}" if kind == "error" else
+                                      f"collector {rank} {a}{spent}") + "\nthe run stops here; resume it from its "
+                                     "last checkpoint (--resume auto)")
             # Sequence numbers: each collector's batches arrive numbered 0, 1, 2, ...; a gap is a lost
             # batch, a repeat a duplicate, and a ticket already seen would be consumed twice.
             if a != self.next_seq[rank]:
