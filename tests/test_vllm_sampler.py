@@ -416,6 +416,59 @@ def test_killing_the_engine_stops_the_run_with_a_clear_error(tmp_path):
     assert torch.load(checkpoint, weights_only=False)["iteration"] >= 1
 
 
+def test_a_collector_whose_engine_was_killed_is_started_again_with_a_new_engine(tmp_path):
+    """The same kill with restarts allowed (the default --max-restarts): the collector that lost its engine raises,
+    the trainer starts it again from the newest weights with an engine of its own, and the run trains to its last
+    step within the lag bound, the restart logged and counted; no process of the run, old or new, is left behind."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "grpo_arith.py"), "--sampler", "vllm", "--tiny-hidden", "128",
+           "--total-timesteps", "1280", "--sft-steps", "20", "--run-dir", str(tmp_path), "--no-progress",
+           "--log-every", "1", "--async", "--max-lag", "2", "--num-collectors", "1", "--transport", "processes"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with open(tmp_path / "run.log", "w") as log:  # to a file: a pipe would also wait for every process holding it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not any(len(open(m).readlines()) >= 2 for m in tmp_path.glob("*/metrics.jsonl")):
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no iteration logged in 300 s"
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        (engine,) = [p for p in family if p.name() == "VLLM::EngineCore"]
+        engine.kill()
+        seen = {p: "" for p in family}  # and what each was last called (vLLM names its processes once started)
+        while proc.poll() is None:  # every process the run starts from here on, the new engine among them
+            try:
+                for p in set(seen) | set(psutil.Process(proc.pid).children(recursive=True)):
+                    seen[p] = p.name() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE else seen.get(p, "")
+            except psutil.NoSuchProcess:
+                pass
+            assert time.monotonic() < deadline + 600, "the run did not end in 600 s after the kill"
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, out[-3000:]
+    assert "leanrl: collector 0 raised RuntimeError: the vLLM engine process (EngineCore) died" in out, out[-3000:]
+    assert "(restart 1 of --max-restarts 3)" in out
+    assert list(seen.values()).count("VLLM::EngineCore") == 1, seen  # the new engine (the killed one is gone)
+    _, alive = psutil.wait_procs(list(seen), timeout=10)
+    assert not alive, [(p.pid, seen[p]) for p in alive]
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    rows = [json.loads(line) for line in open(metrics)]
+    assert rows[-1]["global_step"] == 1280 and rows[-1]["async/collector_restarts"] == 1
+    assert all(0 <= r["lag/token_min"] <= r["lag/token_max"] <= 2 for r in rows)
+
+
 def test_an_engine_on_another_node_collects_for_the_trainer(tmp_path):
     """Two nodes as torchrun starts them (`--nnodes 2`, one agent per node; both on 127.0.0.1 here): rank 0 trains on
     node 0; rank 1, node 1's only rank (LOCAL_RANK 0, as on a machine of its own), collects with a vLLM engine in a

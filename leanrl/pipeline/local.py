@@ -153,7 +153,7 @@ class Collector:
 def run_collector(rank, shared, outbox, fn, fn_args, is_process, first_seq=0, owed=()):
     ctx = Collector(rank, shared, outbox, first_seq, owed)
     if is_process:
-        import signal
+        os.setpgid(0, 0)  # a group of its own, with the processes it starts: stopped with it (end_group)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which stops everyone
         torch.set_num_threads(1)
     try:
@@ -244,6 +244,7 @@ class LocalTrainer(Trainer):
             if dead.is_alive():  # it reported an error and hangs on its way out
                 dead.kill()
                 dead.join()
+            end_group(dead.pid)
             self.inboxes[rank].close()
             # Killed inside the few lines that hand out a ticket, it holds their lock for good; a live collector
             # holds it for microseconds. Held for a second, it is the dead one's: released here either way.
@@ -271,11 +272,26 @@ class LocalTrainer(Trainer):
             if w.is_alive():  # a collector stuck in an env step: not left behind
                 w.kill()
                 w.join()
+            end_group(w.pid)
         for inbox in self.inboxes:
             if inbox is not None:
                 inbox.close()
         if self.state_dir:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def end_group(pgid: int, grace: float = 5.0):
+    """Stop what a collector process left behind in its process group (a vLLM engine outlives a collector that
+    was killed): SIGTERM, which lets an engine shut its workers down, then SIGKILL after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + grace
+        try:
+            os.killpg(pgid, sig)
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                os.killpg(pgid, 0)
+        except ProcessLookupError:  # the group is empty
+            return
 
 
 def run_collector_thread(rank, shared, outbox, fn, fn_args, first_seq=0, owed=()):
