@@ -40,7 +40,10 @@ from leanrl.cli import say_once
 
 _ROOT_NAME = re.compile(r"[A-Za-z_]\w*")
 _PRIMITIVE = (bool, int, float, str, type(None))
-FORMAT = 1  # of the saved files: bumped when what they hold changes
+FORMAT = 2  # of the saved files: bumped when what they hold changes
+# The guards torch keeps with a trace and checks at every call: on the arguments' tensors, and on which of them are one
+# tensor (a trace made for two arguments that are one tensor computes wrongly for two that are not, and vice versa).
+ARGUMENT_GUARDS = ("TENSOR_MATCH", "DUPLICATE_INPUT", "NO_TENSOR_ALIASING")
 
 
 def available() -> bool:
@@ -209,12 +212,12 @@ class Precompiled:
         arguments = set(inspect.signature(self.fn).parameters)
         guards = set()
 
-        def keep(entries):  # torch keeps the guards on the arguments' tensors; the rest are checked at load
+        def keep(entries):  # torch keeps ARGUMENT_GUARDS; the rest are checked at load
             kept = []
             for g in entries:
                 root = _ROOT_NAME.match(g.name)
                 on_argument = not g.is_global and root is not None and root.group() in arguments
-                kept.append(g.guard_type == "TENSOR_MATCH" and on_argument)
+                kept.append(g.guard_type in ARGUMENT_GUARDS and on_argument)
                 if not kept[-1] and g.has_value and (value := _fingerprint(g.guard_type, g.value)) is not None:
                     guards.add((g.guard_type, g.name, value))
             return kept

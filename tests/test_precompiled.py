@@ -69,6 +69,31 @@ def test_a_loaded_trace_reads_this_runs_objects_and_a_changed_value_is_traced_ag
     torch.testing.assert_close(compiled(wide), third(wide))
 
 
+def add_sums(a, b, out: tuple):
+    """Writes into two outputs, which a call may pass as one tensor."""
+    out[0].add_(a.sum())
+    out[1].add_(2 * b.sum())
+    return a + b
+
+
+@pytest.mark.parametrize("first_aliased", [True, False])
+def test_a_trace_made_for_arguments_that_are_one_tensor_is_not_used_for_two(first_aliased):
+    """A trace is specialized to which of its arguments are one tensor (Dynamo dedupes them): called first with one
+    tensor twice, then with two (or the other way round), in this process and in a run that loads the trace, every
+    call computes what eager does. Before, the first call's trace was used for both: wrong sums, no error."""
+    def calls():
+        x, y, z = torch.ones(3), torch.full((3,), 2.0), torch.zeros(1)
+        aliased, separate = (x, x, (z, z)), (x, y, (torch.zeros(1), torch.zeros(1)))
+        return [aliased, separate] if first_aliased else [separate, aliased]
+
+    for run in range(2):  # the second run loads the trace the first saved
+        compiled = leanrl.accelerate(add_sums, compile=True, compile_kwargs=dict(fullgraph=True), name="add_sums")
+        for args, expected in zip(calls(), calls()):
+            torch.testing.assert_close(compiled(*args), add_sums(*expected))
+            torch.testing.assert_close(args[2], expected[2])
+        assert compiled.loaded == (run == 1)
+
+
 def test_a_changed_source_is_traced_again_and_its_old_trace_removed(tmp_path, own_cache, monkeypatch):
     module = tmp_path / "my_policy.py"
     monkeypatch.syspath_prepend(str(tmp_path))
