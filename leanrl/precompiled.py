@@ -260,3 +260,6 @@ class Precompiled:
         with open(f"{path}.{os.getpid()}.{threading.get_ident()}", "wb") as f:
             pickle.dump(saved, f)
         os.replace(f.name, path)
+        # From now on the trace as a later run loads it: the same Python around each call (a fresh one wraps one more
+        # layer), and a trace that cannot be loaded is known now
+        self.compiled = AOTCompiledFunction.deserialize(saved["trace"], self.fn.__globals__, objects)
