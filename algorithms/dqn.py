@@ -286,8 +286,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     update_out = None  # the last update's outputs, read at log boundaries
     with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
-            with torch.no_grad():
-                action, epsilon = act(obs)  # epsilon from the schedule, in-graph
+            action, epsilon = act(obs)  # epsilon from the schedule, in-graph (no autograd: a grad-free alias)
             out = envs.step(action)
             iteration, before, global_step = iteration + 1, global_step, global_step + args.num_envs
             learning = global_step - fill_start > args.learning_starts

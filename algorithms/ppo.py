@@ -1,7 +1,8 @@
 """PPO (Schulman et al., 2017) with CleanRL's implementation details.
 
-Read top to bottom: the arguments, the networks, the phases as plain functions (`policy`, `act`, `rollout`, `gae`,
-`ppo_loss`, `update`), then `train`: CleanRL's loop, after one block that decides how each phase runs.
+Read top to bottom: the arguments, the networks, the phases as plain functions (`policy`, `store_and_act`: a step's
+one call, `rollout`, `gae`, `ppo_loss`, `update`), then `train`: CleanRL's loop, after one block that decides how
+each phase runs.
 
 Copy-paste contract (kept true by tests/test_copy_paste.py): this file imports only torch, numpy, tensordict and
 leanrl. `envs` is a `leanrl.VectorEnv` (leanrl/env.py): any of `leanrl.envs`, or a gymnasium vector env made with
@@ -27,6 +28,9 @@ class Args(leanrl.EvalArgs, leanrl.RunArgs):
     """the id of the environment"""
     num_envs: int = 8
     """the number of parallel game environments"""
+    num_env_buffers: int = 1
+    """the groups host envs step in: while the policy acts on one, the others step in the background (2: PufferLib's
+    double buffering); 1 steps every env together"""
     num_steps: int = 128
     """the number of steps to run in each environment per policy rollout"""
     learning_rate: float = 2.5e-4
@@ -65,9 +69,12 @@ class Args(leanrl.EvalArgs, leanrl.RunArgs):
 
 def check_args(args: Args) -> tuple[int, int, int]:
     """Fail on settings that cannot work, before any environment is built or anything compiled."""
-    leanrl.check_flags(args, positive=("num_envs", "num_steps", "learning_rate", "num_minibatches", "update_epochs",
-                                       "max_grad_norm"), non_negative=("clip_coef", "ent_coef", "vf_coef"),
-                       unit_interval=("gamma", "gae_lambda"))
+    leanrl.check_flags(args, positive=("num_envs", "num_env_buffers", "num_steps", "learning_rate", "num_minibatches",
+                                       "update_epochs", "max_grad_norm"),
+                       non_negative=("clip_coef", "ent_coef", "vf_coef"), unit_interval=("gamma", "gae_lambda"))
+    if args.num_envs % args.num_env_buffers:
+        raise leanrl.UsageError(f"num_envs = {args.num_envs} is not divisible by num_env_buffers = "
+                                f"{args.num_env_buffers}")
     batch_size = args.num_envs * args.num_steps
     if batch_size % args.num_minibatches:
         raise leanrl.UsageError(f"num_envs * num_steps = {batch_size} is not divisible by num_minibatches = "
@@ -171,57 +178,135 @@ def draw_noise(envs, num_steps: int, device) -> tuple:
     return (policy_noise, envs.reset_noise(num_steps)) if envs.on_device else (policy_noise,)
 
 
-def act(policy, get_value, args: Args, env_step, obs, noise: tuple):
-    """One step: the policy, the env, and the critic on each true final observation (to bootstrap truncated
-    episodes). Returns the next observation and what the rollout stores of the step, by storage key."""
-    action, logprob, value = policy(obs, noise[0])
-    out = env_step(action, *noise[1:])
-    stored = dict(obs=obs, actions=action, logprobs=logprob, values=value,
-                  rewards=out["reward"].sign() if args.clip_reward else out["reward"],
+def outcome(get_value, args: Args, out: dict) -> dict:
+    """What the rollout stores of an env step's outcome `out` (`envs.step`'s dict): the reward (its sign with
+    --clip-reward), the episode ends and statistics, and the critic's value of each true final observation (to
+    bootstrap truncated episodes)."""
+    stored = dict(rewards=out["reward"].sign() if args.clip_reward else out["reward"],
                   **{key: out[key] for key in ("terminated", "truncated", "episode_return", "episode_length")})
     if args.bootstrap_truncated:
         stored["final_values"] = get_value(out["final_obs"])
-    return out["next_obs"], stored
+    return stored
+
+
+def act(policy, get_value, args: Args, env_step, obs, noise: tuple):
+    """One step of an on-device env: the policy, the env, the critic. Returns the next observation and what the
+    rollout stores of the step, by storage key."""
+    action, logprob, value = policy(obs, noise[0])
+    out = env_step(action, *noise[1:])
+    return out["next_obs"], dict(obs=obs, actions=action, logprobs=logprob, values=value,
+                                 **outcome(get_value, args, out))
+
+
+def write(storage: dict, t, fields: dict):
+    """`fields` into row `t` of `storage`'s tensors: `t` a one-element tensor, so that one graph writes every row."""
+    for key, x in fields.items():
+        storage[key][t] = x.unsqueeze(0).to(storage[key].dtype)
+
+
+def act_and_store(act, storage: dict, next_obs, t, noise: tuple):
+    """An on-device env's step as one call: `act` on `next_obs`, stored at row t, `next_obs` advanced in place."""
+    obs, stored = act(next_obs, noise)
+    write(storage, t, stored)
+    next_obs.copy_(obs)
+
+
+def store_and_act(policy, get_value, args: Args, storage: dict, t, out: dict, noise):
+    """A host env's step as one call: store `out`, what the env returned for the last action, at row t - 1 (at t = 0
+    the spare last row: it was stored at the end of the last rollout), then act on its next observation and store
+    that at row t. Returns the action to send."""
+    write(storage, (t - 1) % (args.num_steps + 1), outcome(get_value, args, out))
+    action, logprob, value = policy(out["next_obs"], noise)
+    write(storage, t, dict(obs=out["next_obs"], actions=action, logprobs=logprob, values=value))
+    return action
 
 
 def make_storage(envs, args: Args, device) -> TensorDict:
-    """The rollout buffer, (num_steps, num_envs), allocated once: captured graphs read and write its addresses."""
+    """The rollout buffer, allocated once (captured graphs write its addresses): row t < num_steps is step t, the
+    last row the observation after the rollout and its value, which GAE bootstraps from."""
     act_space, T, N = envs.single_action_space, args.num_steps, args.num_envs
     fields = dict(obs=(envs.single_observation_space.shape, envs.obs_dtype),
                   actions=(act_space.shape, torch.float32 if act_space.shape else torch.long),
                   terminated=((), torch.bool), truncated=((), torch.bool),
                   **dict.fromkeys(("logprobs", "values", "rewards", "final_values", "episode_return",
                                    "episode_length"), ((), torch.float32)))
-    return TensorDict({key: torch.zeros(T, N, *shape, dtype=dtype, device=device) for key, (shape, dtype) in
-                       fields.items()}, batch_size=[T, N], device=device)
+    return TensorDict({key: torch.zeros(T + 1, N, *shape, dtype=dtype, device=device) for key, (shape, dtype) in
+                       fields.items()}, batch_size=[T + 1, N], device=device)
 
 
 @torch.no_grad()
-def rollout(step, envs, next_obs, storage, args: Args):
-    """`num_steps` calls of `step(obs, noise)` into `storage`; `next_obs` advanced in place, where graphs read it."""
+def rollout_on_device(step, get_value, envs, next_obs, storage, args: Args):
+    """`num_steps` calls of `step(t, noise)` (`act_and_store`), then the last observation's value."""
     noise = draw_noise(envs, args.num_steps, next_obs.device)
+    rows = torch.arange(args.num_steps, device=next_obs.device).view(-1, 1)
     for t in range(args.num_steps):
-        obs, stored = step(next_obs, tuple(n[t] for n in noise))
-        # Key by key: writing a TensorDict costs more than the step's compiled call, and breaks a compiled rollout.
-        for key, x in stored.items():
-            storage[key][t] = x
-        next_obs.copy_(obs)
+        step(rows[t], tuple(n[t] for n in noise))
+    storage["values"][-1] = get_value(next_obs)
 
 
 @torch.no_grad()
-def scanned_rollout(scanned, envs, next_obs, storage, args: Args):
-    """`rollout` as one call: `scanned` is `act` over the whole rollout, a compiled scan (`leanrl.scan_env_steps`)."""
+def scanned_rollout(scanned, get_value, envs, next_obs, storage, args: Args):
+    """`rollout_on_device` as one call: `scanned` is `act` over the whole rollout, a compiled scan
+    (`leanrl.scan_env_steps`)."""
     last_obs, stored = scanned(next_obs, draw_noise(envs, args.num_steps, next_obs.device))
     for key, x in stored.items():  # (a dict into a TensorDict costs more than the scan)
-        storage[key].copy_(x)
+        storage[key][:-1].copy_(x)
     next_obs.copy_(last_obs)
+    storage["values"][-1] = get_value(next_obs)
 
 
-def bootstrap(get_value, next_obs, storage, args: Args):
-    """Value of each transition's true next state (the next stored value, or the final observation's), and GAE's
-    terminations."""
-    s = storage
-    next_values = torch.cat([s["values"][1:], get_value(next_obs).unsqueeze(0)])
+@torch.no_grad()
+def rollout(steps: list, envs, outs: list, args: Args):
+    """`num_steps` steps of host envs, for each of their buffers (`leanrl.EnvBuffers`; else the envs are one) one
+    call of its `steps[b](t, out, noise)` (`store_and_act`) between the buffer's `recv` and `send`: while the policy
+    acts on one buffer, the others step in the background. A last call per buffer stores the last step and values
+    the observation after it. `outs`: each buffer's last step, advanced in place."""
+    T, buffers = args.num_steps, getattr(envs, "buffers", [envs])
+    # each step's random numbers, the last step's again for the last call (whose action is not taken)
+    noise = draw_noise(envs, T, outs[0]["next_obs"].device)[0][list(range(T)) + [T - 1]]
+    noise = noise.split([b.num_envs for b in buffers], dim=1)
+    rows = torch.arange(T + 1, device=noise[0].device).view(-1, 1)
+    for t in range(T + 1):
+        for b, buffer in enumerate(buffers):
+            if t:
+                outs[b] = buffer.recv()
+            action = steps[b](rows[t], outs[b], noise[b][t])
+            if t < T:
+                buffer.send(action)
+
+
+def stepwise_rollout(fast, policy, get_value, args: Args, envs, storage, next_obs, boundary=None):
+    """The rollout as `collect()`, one call accelerated with `fast` (a `leanrl.Acceleration`) per env step (per
+    buffer for host envs in `leanrl.EnvBuffers`), with `boundary()` before each (an async collector's: new weights
+    come in between two steps)."""
+    def tagged(step):
+        if boundary is None:
+            return step
+
+        def step_at_boundary(*args):
+            boundary()
+            return step(*args)
+        return step_at_boundary
+
+    if envs.on_device:
+        step = fast(partial(act_and_store, partial(act, policy, get_value, args, envs.step), dict(storage.items()),
+                            next_obs), name="act")
+        return partial(rollout_on_device, tagged(step), fast(get_value, name="get_value"), envs, next_obs, storage,
+                       args=args)
+    sizes = [b.num_envs for b in getattr(envs, "buffers", [envs])]
+    columns = [slice(sum(sizes[:b]), sum(sizes[:b + 1])) for b in range(len(sizes))]  # each buffer's envs' storage
+    graph = dict(compile_kwargs=leanrl.ONE_GRAPH) if fast.cpu_compile else {}  # a CPU: one graph, no Python inside
+    steps = [tagged(fast(partial(store_and_act, policy, get_value, args, {k: x[:, cols] for k, x in storage.items()}),
+                         name=f"act_{b}", **graph)) for b, cols in enumerate(columns)]
+    outs = [leanrl.no_step(obs) for obs in next_obs.split(sizes)]
+    return partial(rollout, steps, envs, outs, args=args)
+
+
+def bootstrap(storage, args: Args):
+    """Value of each transition's true next state (the next row's, or where an episode was truncated its final
+    observation's) and GAE's terminations."""
+    s = storage[:-1]
+    next_values = storage["values"][1:]
     if args.bootstrap_truncated:
         next_values = torch.where(s["truncated"], s["final_values"], next_values)
     terminated = s["terminated"] if args.bootstrap_truncated else s["terminated"] | s["truncated"]
@@ -343,6 +428,9 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     batch_size, _, num_iterations = check_args(args)
     if args.graph_iteration and not envs.on_device:
         raise leanrl.UsageError("--graph-iteration needs an on-device env (torch/CartPole-v1, torch/Pendulum-v1)")
+    if len(getattr(envs, "buffers", [envs])) != args.num_env_buffers:
+        raise leanrl.UsageError(f"envs in {len(getattr(envs, 'buffers', [envs]))} buffers, num_env_buffers = "
+                                f"{args.num_env_buffers}: make them with leanrl.EnvBuffers.of")
     anneals = args.anneal_lr or args.anneal_clip  # without, a resumed run may go on longer
     resumed = args.resume and leanrl.load_checkpoint(args.resume, args, () if anneals else ("total_timesteps",))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
@@ -363,32 +451,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     loss = partial(ppo_loss, clip_coef=clip_coef, clip_vloss=args.clip_vloss, norm_adv=args.norm_adv,
                    ent_coef=args.ent_coef, vf_coef=args.vf_coef)
 
-    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
-    # With --graph-iteration the phases are only compiled: one CUDA graph captures the whole iteration (below).
-    fast = accel.replace(cudagraphs=False) if args.graph_iteration else accel
-    agent_policy, get_value = partial(policy, agent_inference), agent_inference.get_value
-    if fast.cpu_compile and envs.on_device:  # a CPU has no graphs: the whole rollout one compiled scan
-        # (obs cloned: a scan's output may not alias its input; the last critic pass stays eager, one per rollout)
-        collect = partial(scanned_rollout, leanrl.scan_env_steps(lambda env_step, obs, noise: act(
-            agent_policy, get_value, args, env_step, obs.clone(), noise), envs, fast), envs, args=args)
-    elif envs.on_device:  # a step (policy, env, critic) one compiled call, one CUDA graph
-        collect = partial(rollout, fast(partial(act, agent_policy, get_value, args, envs.step), name="act"), envs,
-                          args=args)
-        get_value = fast(get_value, name="get_value")
-    else:  # a host env steps eagerly between the compiled policy and critic
-        get_value = fast(get_value, name="get_value")
-        collect = partial(rollout, partial(act, fast(agent_policy, name="policy"), get_value, args, envs.step),
-                          envs, args=args)
-    # torch.compile unrolls GAE's loop: fine at Atari's 128 steps on a GPU, minutes of compile at MuJoCo's 2048
-    gae_fn = fast.replace(compile=fast.compile and args.num_steps <= MAX_COMPILED_GAE_STEPS).eager_on_cpu(
-        "GAE", "its loop, unrolled, compiles for longer than a whole short run saves")(gae, name="gae")
-    if fast.cpu_compile and isinstance(agent, MLPAgent):  # the epochs one compiled scan (a CNN's gain nothing)
-        learn = leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm, fast)
-    else:
-        learn = partial(update_epochs, fast(partial(update, agent, optimizer, loss, args.max_grad_norm), name="update"))
-    # ----
     storage = make_storage(envs, args, device)
-
     iteration = 0
     if resumed:  # before any capture: parameters are copied in place, the tensor learning rate is kept
         leanrl.restore_rng(resumed)
@@ -398,13 +461,34 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     else:
         next_obs = envs.reset(seed=args.seed)
 
+    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
+    # With --graph-iteration the phases are only compiled: one CUDA graph captures the whole iteration (below).
+    fast = accel.replace(cudagraphs=False) if args.graph_iteration else accel
+    agent_policy, get_value = partial(policy, agent_inference), agent_inference.get_value
+    if fast.cpu_compile and envs.on_device:  # a CPU has no graphs: the whole rollout one compiled scan
+        # (obs cloned: a scan's output may not alias its input; the last critic pass stays eager, one per rollout)
+        collect = partial(scanned_rollout, leanrl.scan_env_steps(lambda env_step, obs, noise: act(
+            agent_policy, get_value, args, env_step, obs.clone(), noise), envs, fast), get_value, envs, next_obs,
+            storage, args=args)
+    else:  # a step one compiled call (policy, storing, and on-device the env), one CUDA graph
+        collect = stepwise_rollout(fast, agent_policy, get_value, args, envs, storage, next_obs)
+    # torch.compile unrolls GAE's loop: fine at Atari's 128 steps on a GPU, minutes of compile at MuJoCo's 2048
+    gae_fn = fast.replace(compile=fast.compile and args.num_steps <= MAX_COMPILED_GAE_STEPS).eager_on_cpu(
+        "GAE", "its loop, unrolled, compiles for longer than a whole short run saves")(gae, name="gae")
+    if fast.cpu_compile:  # the epochs one compiled scan
+        learn = leanrl.scan_gradient_steps(loss, agent, optimizer, args.max_grad_norm, fast)
+    else:
+        learn = partial(update_epochs, fast(partial(update, agent, optimizer, loss, args.max_grad_norm), name="update"))
+    # ----
+
     def one_iteration():
         """Acting and storing, GAE, every update epoch; the last minibatch's metrics and the explained variance."""
-        collect(next_obs, storage)
-        next_values, terminated = bootstrap(get_value, next_obs, storage, args)
-        advantages, returns = gae_fn(storage["rewards"], storage["values"], next_values, terminated,
-                                     storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
-        b = flat_batch(storage, advantages, returns)
+        collect()
+        next_values, terminated = bootstrap(storage, args)
+        steps = storage[:-1]
+        advantages, returns = gae_fn(steps["rewards"], steps["values"], next_values, terminated,
+                                     steps["terminated"] | steps["truncated"], args.gamma, args.gae_lambda)
+        b = flat_batch(steps, advantages, returns)
         metrics, grad_norm = learn(tuple(b[key] for key in MINIBATCH_KEYS), minibatches(args, batch_size, device))
         return *metrics.unbind(), grad_norm, explained_variance(b)
 
@@ -413,7 +497,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
 
     def checkpoint_state():
         return dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), envs=envs.state_dict(),
-                    next_obs=next_obs, global_step=iteration * batch_size, iteration=iteration)
+                    next_obs=next_obs if envs.on_device else None,  # (a host env starts new episodes on resume)
+                    global_step=iteration * batch_size, iteration=iteration)
 
     eval_envs = leanrl.open_eval_envs(args, make_eval_envs, run_dir)
     evaluate = eval_envs and partial(evaluate_policy, agent_inference, eval_envs, seed=args.seed + 10_000)
@@ -429,7 +514,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
             metrics = dict(zip(UPDATE_METRICS, one_iteration()))
             metrics["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
             logger.record(metrics)
-            logger.record_episodes(storage["episode_return"], storage["episode_length"])
+            logger.record_episodes(storage["episode_return"][:-1], storage["episode_length"][:-1])
             iteration += 1
             logger.end_iteration(iteration * batch_size)
             if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,

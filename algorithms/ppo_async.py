@@ -102,13 +102,10 @@ def processes(args: Args) -> int:
 
 # ----------------------------------------------------------------------------------------- the collector
 def batch_template(storage, statistics: dict) -> TensorDict:
-    """What a collector sends: the rollout storage, GAE's inputs and the version of every step, and its envs'
-    `statistics()` after the rollout (the normalizers', which the trainer evaluates and checkpoints with)."""
-    rollout = storage.clone()
-    rollout["next_values"] = torch.zeros_like(rollout["values"])
-    rollout["gae_terminated"] = torch.zeros_like(rollout["terminated"])
-    version = torch.zeros(rollout.shape, dtype=torch.int64, device=storage.device)
-    return TensorDict(rollout=rollout, version=version, statistics=TensorDict(statistics))  # statistics: on the host
+    """What a collector sends: the rollout storage, the version of every step, and its envs' `statistics()` after
+    the rollout (the normalizers', which the trainer evaluates and checkpoints with)."""
+    version = torch.zeros(storage[:-1].shape, dtype=torch.int64, device=storage.device)
+    return TensorDict(rollout=storage.clone(), version=version, statistics=TensorDict(statistics))  # (on the host)
 
 
 def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None):
@@ -123,20 +120,13 @@ def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None
     leanrl.set_threads(args.threads, ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta"),
                        processes=processes(args), quiet=True)  # before the init, as in ppo.train
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device).requires_grad_(False)
-    accel = leanrl.Acceleration.of(args, device)
-    # ---- how a step runs, as in ppo.train but never one scan: new weights come in between two steps ----
-    get_value = accel(agent.get_value, name="get_value")
-    if envs.on_device:  # a step (policy, env, critic) one compiled call, one CUDA graph
-        step = accel(partial(ppo.act, partial(ppo.policy, agent), agent.get_value, args, envs.step), name="act")
-    else:  # a host env steps eagerly between the compiled policy and critic
-        step = partial(ppo.act, accel(partial(ppo.policy, agent), name="policy"), get_value, args, envs.step)
-    # ----
     storage = ppo.make_storage(envs, args, device)
     next_obs, versions = envs.reset(seed=seed), []
-
-    def tagged_step(obs, noise):
-        versions.append(ctx.step_boundary())
-        return step(obs, noise)
+    # as in ppo.train, but never one scan: new weights come in between two steps
+    collect = ppo.stepwise_rollout(leanrl.Acceleration.of(args, device), partial(ppo.policy, agent), agent.get_value,
+                                   args, envs, storage, next_obs, boundary=lambda: versions.append(ctx.step_boundary()))
+    # each step's version: a policy call's, for each buffer of envs in turn (one call for the rollout's last row)
+    sizes = torch.tensor([b.num_envs for b in getattr(envs, "buffers", [envs])])
 
     def state():  # what a batch starts from; a host simulator's state cannot be saved, an on-device env's can
         return dict(rng=torch.random.get_rng_state(), envs=envs.state_dict(), next_obs=next_obs.clone())
@@ -150,13 +140,10 @@ def collector(ctx, args: Args, make_envs, device, statistics: dict | None = None
         for batch in ctx.batches(from_module(agent).data, batch_template(storage, envs.statistics()),
                                  state=(state, load_state) if envs.on_device else None):
             versions.clear()
-            ppo.rollout(tagged_step, envs, next_obs, storage, args)
-            next_values, terminated = ppo.bootstrap(get_value, next_obs, storage, args)
-            rollout = batch["rollout"]
-            rollout.update_(storage)
-            rollout["next_values"].copy_(next_values)
-            rollout["gae_terminated"].copy_(terminated)
-            batch["version"].copy_(torch.tensor(versions).unsqueeze(1).expand(rollout.shape))
+            collect()
+            batch["rollout"].update_(storage)
+            steps = torch.tensor(versions[:args.num_steps * len(sizes)]).view(args.num_steps, len(sizes))
+            batch["version"].copy_(steps.repeat_interleave(sizes, dim=1))
             batch["statistics"].update_(TensorDict(envs.statistics()))
     finally:
         envs.close()
@@ -247,13 +234,13 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             if args.anneal_clip:
                 clip_coef.fill_(frac * args.clip_coef)
             batch = trainer.next_batch()  # valid until the publish below
-            rollout = batch["rollout"]
-            storage.update_(rollout.select(*storage.keys()))
+            storage.update_(batch["rollout"])
             statistics.update_(batch["statistics"])  # the slot is refilled after the publish
-            advantages, returns = gae_fn(storage["rewards"], storage["values"], rollout["next_values"].to(device),
-                                         rollout["gae_terminated"].to(device),
-                                         storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
-            b = ppo.flat_batch(storage, advantages, returns)
+            next_values, terminated = ppo.bootstrap(storage, args)
+            steps = storage[:-1]
+            advantages, returns = gae_fn(steps["rewards"], steps["values"], next_values, terminated,
+                                         steps["terminated"] | steps["truncated"], args.gamma, args.gae_lambda)
+            b = ppo.flat_batch(steps, advantages, returns)
             with torch.no_grad():  # the proximal policy: the weights this batch is consumed with
                 b["proximal_logprobs"] = proximal_logprob(b["obs"], b["actions"])
             update_metrics, grad_norm = learn(tuple(b[key] for key in MINIBATCH_KEYS),
@@ -264,7 +251,7 @@ def train(args: Args, make_envs, spec, device=None, make_eval_envs=None, on_iter
             metrics["async/ess"] = leanrl.effective_sample_size(b["proximal_logprobs"] - b["logprobs"])
             metrics.update(trainer.stats.summary())
             logger.record(metrics)
-            logger.record_episodes(storage["episode_return"], storage["episode_length"])
+            logger.record_episodes(storage["episode_return"][:-1], storage["episode_length"][:-1])
             iteration += 1
             logger.end_iteration(iteration * batch_size)
             if args.eval_every and leanrl.crossings((iteration - 1) * batch_size, iteration * batch_size,

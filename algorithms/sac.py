@@ -306,8 +306,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     critic_out = actor_out = None  # the last update outputs, read at log boundaries
     with logger, leanrl.save_on_interrupt(ckpt_path, checkpoint_state, args):
         while iteration < num_iterations:
-            with torch.no_grad():
-                action = random_actions(sac, args.num_envs) if global_step < args.learning_starts else policy(obs)
+            # (no autograd: the policy reads a grad-free alias)
+            action = random_actions(sac, args.num_envs) if global_step < args.learning_starts else policy(obs)
             out = envs.step(action)
             iteration, before, global_step = iteration + 1, global_step, global_step + args.num_envs
             if global_step - fill_start <= args.learning_starts:

@@ -41,8 +41,15 @@ class SlowEnv:
         self.env, self.median, self.sigma, self.rng = env, median_ms / 1e3, sigma, random.Random(seed)
 
     def step(self, action):
+        self.send(action)
+        return self.recv()
+
+    def send(self, action):
+        self.action = action
+
+    def recv(self):
         time.sleep(self.median * self.rng.lognormvariate(0.0, self.sigma))
-        return self.env.step(action)
+        return self.env.step(self.action)
 
     def __getattr__(self, name):
         return getattr(self.env, name)

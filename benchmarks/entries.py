@@ -29,7 +29,8 @@ MODES = {"eager": (False, False), "compile": (True, False), "cudagraphs": (False
 
 
 def ppo_calls(args, envs, device) -> dict:
-    """PPO's policy (one env step's action) and one minibatch's update."""
+    """PPO's step (the policy and its storing: one buffer's call per env step; an on-device env's step in it too)
+    and one minibatch's update."""
     agent_inference = ppo.make_agent(envs.single_observation_space, envs.single_action_space, "meta")
     leanrl.set_threads(args.threads, agent_inference, quiet=True)
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, device)
@@ -39,11 +40,23 @@ def ppo_calls(args, envs, device) -> dict:
     optimizer = leanrl.make_adam(agent.parameters(), args.learning_rate, eps=1e-5, **accel.flags)
     loss = partial(ppo.ppo_loss, clip_coef=torch.tensor(args.clip_coef, device=device), clip_vloss=args.clip_vloss,
                    norm_adv=args.norm_adv, ent_coef=args.ent_coef, vf_coef=args.vf_coef)
-    policy = accel(partial(ppo.policy, agent_inference), name="policy")
     update = accel(partial(ppo.update, agent, optimizer, loss, args.max_grad_norm), name="update")
-    mb = ppo.make_storage(envs, args, device).reshape(-1)[:args.num_envs * args.num_steps // args.num_minibatches]
-    obs, noise = envs.reset(seed=args.seed), ppo.draw_noise(envs, 1, device)[0][0]
-    return dict(policy=(policy, (obs, noise)), update=(update, (
+    storage = ppo.make_storage(envs, args, device)
+    mb = storage[:-1].reshape(-1)[:args.num_envs * args.num_steps // args.num_minibatches].clone()
+    policy, get_value, fields = partial(ppo.policy, agent_inference), agent_inference.get_value, dict(storage.items())
+    obs, noise = envs.reset(seed=args.seed), ppo.draw_noise(envs, 1, device)
+    row = torch.zeros(1, dtype=torch.long, device=device)
+    if envs.on_device:
+        act = accel(partial(ppo.act_and_store, partial(ppo.act, policy, get_value, args, envs.step), fields, obs),
+                    name="act")
+        act_inputs = (row, tuple(n[0] for n in noise))
+    else:  # the first buffer's
+        n = envs.num_envs // getattr(args, "num_env_buffers", 1)
+        graph = dict(compile_kwargs=leanrl.ONE_GRAPH) if accel.cpu_compile else {}
+        act = accel(partial(ppo.store_and_act, policy, get_value, args, {k: x[:, :n] for k, x in fields.items()}),
+                    name="act", **graph)
+        act_inputs = (row, leanrl.no_step(obs[:n]), noise[0][0][:n])
+    return dict(act=(act, act_inputs), update=(update, (
         mb["obs"], mb["actions"], mb["logprobs"], torch.randn_like(mb["values"]), torch.randn_like(mb["values"]),
         mb["values"])))
 
@@ -157,9 +170,10 @@ class Scaling:
 
 
 def plain_envs(*fields):
-    """`make_env` with the script's env arguments named by `fields`."""
-    return lambda args, device: make_env(args.env_id, args.num_envs, device=device, seed=args.seed,
-                                         **{k: getattr(args, k) for k in fields})
+    """`make_env` with the script's env arguments named by `fields`, in PPO's `num_env_buffers` buffers."""
+    return lambda args, device: leanrl.EnvBuffers.of(
+        partial(make_env, args.env_id, **{k: getattr(args, k) for k in fields}), args.num_envs,
+        getattr(args, "num_env_buffers", 1), seed=args.seed, device=device)
 
 
 def raw_envs(args, device):
@@ -181,6 +195,9 @@ ENTRIES = {
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
     "ppo_atari": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
                        quick=dict(num_envs=2, num_steps=16)),
+    # The same envs in two buffers, each stepping in the background while the policy acts on the other.
+    "ppo_atari_2buffers": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
+                                overrides=dict(num_env_buffers=2), quick=dict(num_envs=2, num_steps=16)),
     # 1e6 stacked Atari frames are 35 GB: a smaller buffer changes the memory, not the time of a step.
     "dqn_atari": Entry(dqn, dqn_atari.DEFAULTS, plain_envs("sticky_actions"), dqn_calls,
                        overrides=dict(learning_starts=32, buffer_size=50_000), quick=dict(buffer_size=1_000)),

@@ -3,7 +3,7 @@
     python benchmarks/layout_validation.py [--total-timesteps 24000] [--quick]
 
 Each setting is calibrated right before its run, on the same machine (the speed of shared cores drifts): (1) a
-collector's rollout time with the slow env of the setting (`ppo.rollout`: policy, env and sleep overshoot included),
+collector's rollout time with the slow env of the setting (`ppo.stepwise_rollout`: policy, env and sleep overshoot included),
 as an empirical distribution, measured with as many collector processes rolling out at once as the setting runs (on
 a CPU they share the cores; with this env, which mostly sleeps, that moved the mean by less than 2 % from a lone
 collector's); (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its pieces:
@@ -83,12 +83,12 @@ def collector_rollout(args, envs, seed):
     runs one into the returned storage and returns GAE's next values and terminations."""
     agent = ppo.make_agent(envs.single_observation_space, envs.single_action_space, CPU).requires_grad_(False)
     storage = ppo.make_storage(envs, args, CPU)
-    next_obs = envs.reset(seed=seed)
-    step = functools.partial(ppo.act, functools.partial(ppo.policy, agent), agent.get_value, args, envs.step)
+    collect = ppo.stepwise_rollout(leanrl.Acceleration(), functools.partial(ppo.policy, agent), agent.get_value, args,
+                                   envs, storage, envs.reset(seed=seed))
 
     def rollout():
-        ppo.rollout(step, envs, next_obs, storage, args)
-        return ppo.bootstrap(agent.get_value, next_obs, storage, args)
+        collect()
+        return ppo.bootstrap(storage, args)
     return rollout, storage
 
 
@@ -139,9 +139,10 @@ def trainer_time(epochs, n):
     for _ in range(n + 2):
         t0 = time.perf_counter()
         storage.update_(collected)
-        advantages, returns = ppo.gae(storage["rewards"], storage["values"], next_values, terminated,
-                                      storage["terminated"] | storage["truncated"], args.gamma, args.gae_lambda)
-        b = ppo.flat_batch(storage, advantages, returns)
+        steps = storage[:-1]
+        advantages, returns = ppo.gae(steps["rewards"], steps["values"], next_values, terminated,
+                                      steps["terminated"] | steps["truncated"], args.gamma, args.gae_lambda)
+        b = ppo.flat_batch(steps, advantages, returns)
         with torch.no_grad():
             b["proximal_logprobs"] = logprob(b["obs"], b["actions"])
         ppo.update_epochs(update, tuple(b[key] for key in ppo_async.MINIBATCH_KEYS),

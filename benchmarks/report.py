@@ -98,7 +98,7 @@ def scaling_table(name: str, scaling: dict) -> str:
     modes = [m for m in MODES if m in scaling["modes"]]
     ok = {m: {p["num_envs"]: p for p in r["points"]} for m, r in scaling["modes"].items() if r["status"] == "ok"}
     sizes = sorted({n for points in ok.values() for n in points})
-    lines = [f"| {name} ({scaling['env_id']}): env-steps/s (policy ms/call) | " + " | ".join(modes) + " |",
+    lines = [f"| {name} ({scaling['env_id']}): env-steps/s (a step's `act` ms/call) | " + " | ".join(modes) + " |",
              "|" + "---|" * (len(modes) + 1)]
     for n in sizes:
         cells = [mode_cell(scaling["modes"][m]) or (f"{fmt(ok[m][n]['sps'])} ({fmt(ok[m][n]['policy_ms'])})"

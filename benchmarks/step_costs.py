@@ -6,12 +6,15 @@ Each (entry, mode) is the algorithm's own `train`, in a process of its own, at t
 steady state (learning started, every function compiled and captured), two windows of iterations are measured:
 - calls: every Python-level and built-in call of the process's main thread (what cProfile counts as calls, from a
   `sys.setprofile` counter), per env step. Machine-independent: the same code makes the same calls anywhere.
-- time: the wall time of a window without the counter, split by timers around `envs.step` (the env stepping) and
-  around every callable `leanrl.accelerate` returned (the accelerated calls: compiled and/or CUDA-graphed, or in
-  eager mode the same functions uncompiled); the rest is host work around them (storing, sampling, bookkeeping).
+- time: the wall time of a window without the counter, split by timers around the env's `step`, `send` and `recv`
+  (the env stepping the loop waits for: with env buffers, what steps in the background while the policy acts is not
+  counted) and around every callable `leanrl.accelerate` returned (the accelerated calls: compiled and/or
+  CUDA-graphed, or in eager mode the same functions uncompiled); the rest is host work around them (storing,
+  sampling, bookkeeping).
+An env step is one step of every env: `num_envs` transitions.
 Writes step_costs.json and step_costs.md to benchmarks/results/<machine>/ (or --out) and prints the table.
 
-    python benchmarks/step_costs.py [--algos td3_continuous,ppo_atari] [--modes eager,compile] [--steps 2000]
+    python benchmarks/step_costs.py [--algos td3_continuous,ppo_atari] [--modes eager,compile] [--steps 1000]
 """
 
 import argparse
@@ -31,14 +34,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class Timed:
     """A callable that adds its wall time to `totals[kind]`; a call inside another timed call counts once, in the
-    outer one (an accelerated function that calls accelerated functions)."""
+    outer one (an accelerated function that calls accelerated functions). While calls are counted it only passes
+    the call on, and its own frame is not counted."""
     depth = 0
+    counting = False
 
     def __init__(self, fn, totals: dict, kind: str, device):
         self.fn, self.totals, self.kind, self.device = fn, totals, kind, device
 
     def __call__(self, *args, **kwargs):
-        if Timed.depth:
+        if Timed.depth or Timed.counting:
             return self.fn(*args, **kwargs)
         Timed.depth += 1
         t = time.perf_counter()
@@ -75,14 +80,17 @@ def measure_one(name: str, mode: str, device, steps: int) -> dict:
                          run_dir=tmp, checkpoint_every=0, total_timesteps=10**10)
         leanrl.seed_everything(args.seed, args.torch_deterministic)
         envs = entry.envs(args, device)
-        envs.step = Timed(envs.step, totals, "env", device)
+        for env in (envs, *getattr(envs, "buffers", ())):
+            for method in ("step", "send", "recv"):
+                if hasattr(env, method):
+                    setattr(env, method, Timed(getattr(env, method), totals, "env", device))
         # learning started and every function compiled and captured: a few iterations (PPO) or updates (off-policy)
         steady = getattr(args, "learning_starts", 0) + 8 * args.num_envs * getattr(args, "num_steps", 8)
         state = dict(phase="burn-in", calls=0)
         windows = {}
 
         def count(frame, event, arg):
-            if event in ("call", "c_call"):
+            if event == "c_call" or event == "call" and frame.f_code is not Timed.__call__.__code__:
                 state["calls"] += 1
 
         class Done(Exception):
@@ -93,15 +101,17 @@ def measure_one(name: str, mode: str, device, steps: int) -> dict:
             if phase == "burn-in" and global_step >= steady:
                 sync(device)
                 state.update(phase="time", step=global_step, t=time.perf_counter(), **{k: totals[k] for k in totals})
-            elif phase == "time" and global_step - state["step"] >= steps:
+            elif phase == "time" and global_step - state["step"] >= steps * args.num_envs:
                 sync(device)
-                windows["time"] = dict(steps=global_step - state["step"], wall=time.perf_counter() - state["t"],
+                windows["time"] = dict(steps=(global_step - state["step"]) / args.num_envs,
+                                       wall=time.perf_counter() - state["t"],
                                        **{k: totals[k] - state[k] for k in totals})
                 state.update(phase="calls", step=global_step, calls=0)
+                Timed.counting = True
                 sys.setprofile(count)
-            elif phase == "calls" and global_step - state["step"] >= steps:
+            elif phase == "calls" and global_step - state["step"] >= steps * args.num_envs:
                 sys.setprofile(None)
-                windows["calls"] = dict(steps=global_step - state["step"], calls=state["calls"])
+                windows["calls"] = dict(steps=(global_step - state["step"]) / args.num_envs, calls=state["calls"])
                 raise Done
 
         try:
@@ -115,7 +125,7 @@ def measure_one(name: str, mode: str, device, steps: int) -> dict:
     return dict(status="ok", env_ms=t["env"] / t["steps"] * 1e3, accelerated_ms=t["accelerated"] / t["steps"] * 1e3,
                 other_ms=(t["wall"] - t["env"] - t["accelerated"]) / t["steps"] * 1e3,
                 total_ms=t["wall"] / t["steps"] * 1e3, calls=c["calls"] / c["steps"], steps=t["steps"],
-                num_envs=args.num_envs)
+                num_envs=args.num_envs, env_buffers=getattr(args, "num_env_buffers", 1))
 
 
 def markdown(result: dict) -> str:
@@ -144,7 +154,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algos", default=",".join(ENTRIES), help=f"comma-separated subset of {','.join(ENTRIES)}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--steps", type=int, default=2000, help="env steps (of all envs) per window")
+    p.add_argument("--steps", type=int, default=1000, help="env steps (each a step of every env) per window")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", help="results folder (default: benchmarks/results/<machine>)")
     p.add_argument("--one", nargs=2, metavar=("ENTRY", "MODE"), help=argparse.SUPPRESS)  # a worker's own job

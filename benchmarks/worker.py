@@ -234,7 +234,7 @@ def measure_scaling(name, modes, device, quick, repeats, threads) -> dict:
         for mode, r in measure(spec.entry, modes, device, quick, repeats, num_envs=num_envs, threads=threads,
                                **spec.overrides).items():
             if r["status"] == "ok":
-                points[mode].append(dict(num_envs=num_envs, sps=r["sps"], policy_ms=r["calls"]["policy"]["median_ms"]))
+                points[mode].append(dict(num_envs=num_envs, sps=r["sps"], policy_ms=r["calls"]["act"]["median_ms"]))
             else:
                 errors[mode].append(f"{num_envs} envs: {r['reason']}")
     return {m: dict(status="ok" if points[m] else "error", points=points[m],

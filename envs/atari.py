@@ -67,6 +67,8 @@ class AtariEnv:
                 repeat_action_probability=repeat_action_probability, **ale_kwargs,
             )
         self.num_envs, self.device, self.episodic_life, self._seed = num_envs, torch.device(device), episodic_life, seed
+        self.recording, self.background = video_folder is not None, False  # (this env always steps in the background)
+        self.paddle_strength = np.ones(num_envs, dtype=np.float32)
         self.to_device = StepToDevice(device)
         self.single_observation_space = self.env.single_observation_space
         self.single_action_space = self.env.single_action_space
@@ -75,27 +77,36 @@ class AtariEnv:
         seed, self._seed = (self._seed if seed is None else seed), None  # the constructor's seed seeds the first reset
         obs, info = self.env.reset(seed=seed)
         self.lives = info["lives"]
-        self.game_return = np.zeros(self.num_envs, dtype=np.float64)
+        self.game_return = np.zeros(self.num_envs, dtype=np.float32)  # (exact for any game's integer score)
         self.game_length = np.zeros(self.num_envs, dtype=np.int64)
         return to_device(torch.from_numpy(obs), self.device)
 
     def step(self, action: torch.Tensor) -> dict:
-        obs, reward, terminated, truncated, info = self.env.step(action.cpu().numpy())
+        self.send(action)
+        return self.recv()
+
+    def send(self, action: torch.Tensor) -> None:
+        """AtariVectorEnv's threads step the games from here until `recv` (the video path's sync env steps in recv)."""
+        if self.recording:
+            self.action = action.cpu().numpy()
+        else:  # ale-py's own send, less its wrapper's checks and its allocation of full paddle strengths at every step
+            self.env.ale.send(action.cpu().numpy(), self.paddle_strength)
+
+    def recv(self) -> dict:
+        obs, reward, terminated, truncated, info = self.env.step(self.action) if self.recording else self.env.ale.recv()
         game_over = terminated | truncated
         # info has final_obs only where a game ended (an object array from gymnasium's SyncVectorEnv)
         final_rows = np.stack(info["final_obs"][game_over]) if game_over.any() else None
         self.game_return += reward
         self.game_length += 1
-        episode_return = np.where(game_over, self.game_return, 0.0)
-        episode_length = np.where(game_over, self.game_length, 0)
-        self.game_return[game_over] = 0
-        self.game_length[game_over] = 0
+        episode_return, episode_length = self.game_return * game_over, self.game_length * game_over
+        self.game_return *= ~game_over  # (operators, not calls: this runs at every step)
+        self.game_length *= ~game_over
         if self.episodic_life:  # the game continues after a lost life, so next_obs is the true next obs
             terminated = terminated | (info["lives"] < self.lives)
         self.lives = info["lives"]
         return self.to_device(obs, game_over, final_rows, reward=reward.astype(np.float32), terminated=terminated,
-                              truncated=truncated, episode_return=episode_return.astype(np.float32),
-                              episode_length=episode_length)
+                              truncated=truncated, episode_return=episode_return, episode_length=episode_length)
 
     def statistics(self) -> dict:
         return {}  # nothing is normalized

@@ -12,7 +12,7 @@ _MODULE_OF = {
     **dict.fromkeys(["FunctionalAdam", "functional_step", "load_optimizer_state", "make_adam"], "optim"),
     **dict.fromkeys(["scan_env_steps", "scan_gradient_steps"], "scan"),
     "EvalArgs": "run", "Replay": "replay", "restore_replay": "replay",
-    "VectorEnv": "env",
+    **dict.fromkeys(["EnvBuffers", "VectorEnv", "no_step"], "env"),
     **dict.fromkeys(["categorical", "diagonal_gaussian"], "distributions"),
     "effective_sample_size": "importance",
     **dict.fromkeys(["CheckpointError", "load_checkpoint", "load_in_place", "restore_rng", "save_checkpoint",

@@ -110,6 +110,15 @@ def _spec(x):
     return None  # non-tensor arguments are baked into the graph; CudaGraphModule documents this
 
 
+def _named_specs(name: str, x) -> list:
+    """(name, spec) of `x`, and of each value in it by its path where it is a dict, tuple or list."""
+    if isinstance(x, dict):
+        return [spec for k, v in x.items() for spec in _named_specs(f"{name}[{k!r}]", v)]
+    if isinstance(x, (tuple, list)):
+        return [spec for i, v in enumerate(x) for spec in _named_specs(f"{name}[{i}]", v)]
+    return [(name, _spec(x))]
+
+
 class ShapeGuard:
     """Fix the input signature at the first call. CudaGraphModule silently broadcasts a smaller
     input into the captured buffers (wrong results, no error); this raises instead."""
@@ -120,7 +129,7 @@ class ShapeGuard:
 
     def __call__(self, *args, **kwargs):
         named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-        specs = [(n, _spec(a)) for n, a in named]
+        specs = [spec for n, a in named for spec in _named_specs(n, a)]
         if self.specs is None:
             self.specs = specs
         elif specs != self.specs:

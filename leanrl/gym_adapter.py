@@ -8,8 +8,13 @@ episode_length}`: with SAME_STEP autoreset `next_obs` is already reset where an 
 `final_obs` is that episode's true last observation (what a truncated episode bootstraps from). Episode returns
 are raw: recorded by the env's own `RecordEpisodeStatistics` when it has one (below any reward wrapper), else by
 one added here. `state_dict()` is empty: a host simulator's episodes cannot be restored, so a resumed run starts
-new episodes (subclasses add what can be restored, e.g. normalization statistics).
+new episodes (subclasses add what can be restored, e.g. normalization statistics). `send(action)` then `recv()` is
+`step(action)` in two halves; with `background` (set by `leanrl.EnvBuffers`) a thread of the env's own steps it
+between the two, while the caller computes.
 """
+
+import queue
+import threading
 
 import gymnasium as gym
 import numpy as np
@@ -106,6 +111,8 @@ def _records_episodes(env) -> bool:
 class TorchVectorEnv:
     on_device = False  # stepped on the host: algorithms do not compile or capture `step`
     obs_dtype = torch.float32
+    background = False  # step between send and recv on a thread of this env's own (leanrl.EnvBuffers sets it)
+    _worker = None
 
     def __init__(self, env: gym.vector.VectorEnv, device="cpu"):
         if not isinstance(env, gym.vector.VectorEnv):
@@ -147,6 +154,33 @@ class TorchVectorEnv:
             reward=np.asarray(reward, dtype=np.float32), terminated=terminated, truncated=truncated,
             episode_return=episode["r"].astype(np.float32), episode_length=episode["l"].astype(np.int64))
 
+    def send(self, action: torch.Tensor) -> None:
+        if not self.background:
+            self.action = action  # stepped in recv
+            return
+        if self._worker is None:
+            self._inbox, self._outbox = queue.SimpleQueue(), queue.SimpleQueue()
+            self._worker = threading.Thread(target=self._step_sent, name="leanrl-env", daemon=True)
+            self._worker.start()
+        self._inbox.put(action)
+
+    def recv(self) -> dict:
+        if not self.background:
+            return self.step(self.action)
+        out = self._outbox.get()
+        if isinstance(out, BaseException):  # raised in the env's thread: raised here, with its traceback
+            raise out
+        return out
+
+    def _step_sent(self):
+        """The env's thread: a step for each action sent, until close. The simulator's step releases the GIL
+        (MuJoCo's, ALE's), so the caller's Python and torch run meanwhile."""
+        for action in iter(self._inbox.get, None):
+            try:
+                self._outbox.put(self.step(action))
+            except BaseException as e:  # noqa: BLE001 (handed to recv)
+                self._outbox.put(e)
+
     def statistics(self) -> dict:
         return {}
 
@@ -160,4 +194,7 @@ class TorchVectorEnv:
         pass
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._inbox.put(None)
+            self._worker.join()
         self.env.close()

@@ -35,7 +35,7 @@ def scan_env_steps(step, envs, accel: Acceleration, name: str = "rollout"):
         return (next_obs, box[0]), output
 
     scanned = accel(lambda obs, env_carry, xs: scan(body, (obs, env_carry), xs), compile=True, name=name,
-                    compile_kwargs=torch_fixes.scan_compile_kwargs(cpp_wrapper=True))
+                    compile_kwargs=torch_fixes.scan_compile_kwargs())
 
     def run(obs, xs):
         (last_obs, env_carry), outputs = scanned(obs, envs.carry, xs)
@@ -64,13 +64,14 @@ def scan_gradient_steps(loss, module: torch.nn.Module, optimizer: torch.optim.Ad
             grads, grad_norm = torch_fixes.clip_grad_norm(grads, max_grad_norm)
             return adam.step(carry, grads, lr), (aux, grad_norm)
 
-        return scan(step, carry, indices)
+        carry, (aux, grad_norms) = scan(step, carry, indices)
+        adam.load(carry)  # in the graph: the parameters and Adam's state written in place, not returned
+        return aux[-1], grad_norms[-1]
 
-    scanned = accel(scan_steps, compile=True, name=name, compile_kwargs=torch_fixes.scan_compile_kwargs())
+    scanned = accel(scan_steps, compile=True, name=name,
+                    compile_kwargs=torch_fixes.scan_compile_kwargs())
 
     def steps(batch, indices):
-        carry, (aux, grad_norms) = scanned(adam.carry(), batch, indices, optimizer.param_groups[0]["lr"])
-        adam.load(carry)
-        return aux[-1], grad_norms[-1]
+        return scanned(adam.carry(), batch, indices, optimizer.param_groups[0]["lr"])
 
     return steps

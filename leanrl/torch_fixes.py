@@ -84,7 +84,7 @@ def compiles_in_any_thread(compiled):
     return call
 
 
-def scan_compile_kwargs(cpp_wrapper: bool = False) -> dict:
+def scan_compile_kwargs() -> dict:
     """torch.compile's keywords for a function that calls torch's scan operator (torch 2.13's):
     - fullgraph=True: without it, inductor's lowering of the scan to a loop fails on reading the loop index;
     - the scan marked cacheable: inductor's cache skips higher-order ops unless told, and every run then compiled
@@ -93,7 +93,7 @@ def scan_compile_kwargs(cpp_wrapper: bool = False) -> dict:
     - `cpp_wrapper` (the loop in inductor's C++ wrapper, not its Python one): only from torch 2.13, whose C++ wrapper
       can emit the scan's loop (2.11's fails in codegen_while_loop)."""
     options = dict(unsafe_marked_cacheable_functions={"torch.ops.higher_order.scan": torch.__version__})
-    if cpp_wrapper and TORCH >= "2.13":
+    if TORCH >= "2.13":
         options["cpp_wrapper"] = True
     return dict(fullgraph=True, options=options)
 

@@ -27,7 +27,8 @@ if __name__ == "__main__":
         if args.capture_video:  # before anything is built
             check_recordable(args.env_id)
         device = leanrl.resolve_device(args.device)
-        make_envs = functools.partial(make_env, args.env_id, args.num_envs, sticky_actions=args.sticky_actions)
+        make_envs = functools.partial(leanrl.EnvBuffers.of, functools.partial(
+            make_env, args.env_id, sticky_actions=args.sticky_actions), args.num_envs, args.num_env_buffers)
         make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,
                                            seed=args.seed + 10_000, sticky_actions=args.sticky_actions)
         if args.async_:  # each collector builds its own envs; a one-env instance gives the trainer the spaces

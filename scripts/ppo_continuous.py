@@ -20,7 +20,8 @@ if __name__ == "__main__":
             check_recordable(args.env_id)
         device = leanrl.resolve_device(args.device)
         # gamma also discounts the reward normalizer's returns
-        make_envs = functools.partial(make_env, args.env_id, args.num_envs, gamma=args.gamma)
+        make_envs = functools.partial(leanrl.EnvBuffers.of, functools.partial(make_env, args.env_id, gamma=args.gamma),
+                                      args.num_envs, args.num_env_buffers)
         # evaluations read the training envs' observation statistics (ppo.train copies them) and raw rewards
         raw_rewards = {} if args.env_id.startswith("torch/") else {"normalize_reward": False}
         make_eval_envs = functools.partial(make_env, args.env_id, args.eval_episodes, device=device,

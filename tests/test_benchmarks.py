@@ -60,7 +60,7 @@ def test_results_json_has_the_machine_and_every_mode(out):
     assert list(cartpole) == list(MODES) and list(atari) == ["eager"]
     for r in (cartpole["eager"], cartpole["compile"], atari["eager"]):
         assert r["status"] == "ok", r
-        assert set(r["calls"]) == {"policy", "update"} and r["sps"] > 0
+        assert set(r["calls"]) == {"act", "update"} and r["sps"] > 0
         assert all(c["p25_ms"] <= c["median_ms"] <= c["p75_ms"] for c in r["calls"].values())
     assert "compile_s" in cartpole["compile"]["calls"]["update"]
     assert "compile_s" not in cartpole["eager"]["calls"]["update"]  # absent, not zero

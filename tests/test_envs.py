@@ -404,3 +404,47 @@ def test_a_step_packed_for_one_device_copy_is_the_step(env_id, kwargs, device, t
             assert not torch.equal(b["final_obs"], b["next_obs"])  # the final rows went in, the others are next_obs
     assert ended >= 3
     plain.close(), packed.close()
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "BreakoutNoFrameskip-v4"])
+def test_env_buffers_step_as_one_vector_env_of_their_envs(env_id):
+    """Two buffers of 2 envs, seeded on as one vector env of 4 seeds its envs: `step` (each buffer's send, then
+    each's recv, in the background) returns what the 4-env vector env returns, step for step."""
+    if env_id.startswith("Breakout"):
+        pytest.importorskip("ale_py")
+    import functools
+
+    import leanrl
+    one = make_env(env_id, 4, seed=5)
+    buffers = leanrl.EnvBuffers.of(functools.partial(make_env, env_id), 4, 2, seed=5)
+    torch.testing.assert_close(buffers.reset(), one.reset())
+    generator = torch.Generator().manual_seed(0)
+    ended = 0
+    for _ in range(300):
+        action = torch.randint(0, one.single_action_space.n, (4,), generator=generator)
+        expected, got = one.step(action), buffers.step(action)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], msg=key)
+        ended += int((expected["episode_length"] > 0).sum())
+    assert ended > 0
+    one.close()
+    buffers.close()
+
+
+def test_an_error_in_an_env_stepping_in_the_background_is_raised_by_recv():
+    """A gymnasium env stepped by its own thread (a buffer's): its exception reaches the caller at `recv`, with its
+    traceback, and the env closes."""
+    import leanrl
+
+    class Breaks(gym.Wrapper):
+        def step(self, action):
+            raise RuntimeError("the simulator broke")
+
+    env = leanrl.TorchVectorEnv(gym.vector.SyncVectorEnv(
+        [lambda: Breaks(gym.make("CartPole-v1"))], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
+    env.background = True
+    env.reset(seed=0)
+    env.send(torch.zeros(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="the simulator broke"):
+        env.recv()
+    env.close()

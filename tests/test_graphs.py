@@ -75,6 +75,17 @@ def test_shape_guard_on_tensordicts_and_keywords():
         fn(TensorDict(a=torch.ones(4, 2), batch_size=[4]), scale=torch.ones(1))
 
 
+def test_shape_guard_looks_inside_dicts_and_tuples():
+    """An env step's dict of tensors and a tuple of random numbers, as PPO's step takes them: a smaller tensor in
+    either is named by its path."""
+    fn = leanrl.accelerate(lambda out, noise: out["reward"] + noise[0], cudagraphs=True, name="act")
+    fn(dict(reward=torch.ones(4), terminated=torch.zeros(4, dtype=torch.bool)), (torch.ones(4),))
+    with pytest.raises(leanrl.ShapeChangeError, match=r"act: argument 0\['reward'\] .*\[4\].*\[1\]"):
+        fn(dict(reward=torch.ones(1), terminated=torch.zeros(4, dtype=torch.bool)), (torch.ones(4),))
+    with pytest.raises(leanrl.ShapeChangeError, match=r"act: argument 1\[0\] .*float64"):
+        fn(dict(reward=torch.ones(4), terminated=torch.zeros(4, dtype=torch.bool)), (torch.ones(4).double(),))
+
+
 def test_warmup_is_read_by_accelerate_and_the_logger(tmp_path):
     assert inspect.signature(leanrl.accelerate).parameters["warmup"].default == leanrl.WARMUP
     logger = leanrl.Logger(str(tmp_path), {}, total_steps=10, progress=False)

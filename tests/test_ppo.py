@@ -1,6 +1,7 @@
 """PPO's math against references, optimized paths against eager, and learning on the on-device CartPole."""
 
 import functools
+import importlib.util
 import os
 import signal
 
@@ -273,11 +274,10 @@ def test_scanned_rollout_stores_what_the_eager_rollout_stores(env_id):
             step = leanrl.scan_env_steps(lambda env_step, obs, noise: ppo.act(policy, agent.get_value, args, env_step,
                                                                               obs.clone(), noise), envs,
                                          leanrl.Acceleration(compile=True))
-            ppo.scanned_rollout(step, envs, next_obs, storage, args)
+            ppo.scanned_rollout(step, agent.get_value, envs, next_obs, storage, args)
         else:
-            ppo.rollout(functools.partial(ppo.act, policy, agent.get_value, args, envs.step), envs, next_obs,
-                        storage, args)
-        next_values, terminated = ppo.bootstrap(agent.get_value, next_obs, storage, args)
+            ppo.stepwise_rollout(leanrl.Acceleration(), policy, agent.get_value, args, envs, storage, next_obs)()
+        next_values, terminated = ppo.bootstrap(storage, args)
         results.append((storage, next_values, terminated, next_obs, envs.state_dict()))
     (eager, *eager_rest), (compiled, *compiled_rest) = results
     assert eager["truncated"].any() if env_id == "torch/Pendulum-v1" else eager["terminated"].any()
@@ -315,15 +315,15 @@ def test_graph_iteration_needs_an_on_device_env():
 
 
 class GameCounter:
-    """ale-py's vector env, counting whole games on its own: the score and frames of each game that ends (ale-py
-    reports a game over as terminated or truncated; the lives are AtariEnv's business)."""
+    """ale-py's vector interface, counting whole games on its own: the score and frames of each game that ends
+    (ale-py reports a game over as terminated or truncated; the lives are AtariEnv's business)."""
 
-    def __init__(self, env):
-        self.env, self.scores, self.lengths = env, [], []
-        self.score, self.length = np.zeros(env.num_envs), np.zeros(env.num_envs, dtype=np.int64)
+    def __init__(self, ale, num_envs: int):
+        self.env, self.scores, self.lengths = ale, [], []
+        self.score, self.length = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
 
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
+    def recv(self):  # (AtariEnv sends each step's actions, then receives its results)
+        obs, reward, terminated, truncated, info = self.env.recv()
         self.score += reward
         self.length += 1
         for i in np.flatnonzero(terminated | truncated):
@@ -341,7 +341,7 @@ def test_ppo_on_atari_logs_the_mean_game_score_and_length(tmp_path):
     length are the mean score and length of the games that ended, counted here from ale-py's own steps."""
     pytest.importorskip("ale_py")
     envs = make_env("BreakoutNoFrameskip-v4", 8, seed=1)
-    envs.env = counter = GameCounter(envs.env)
+    envs.env.ale = counter = GameCounter(envs.env.ale, 8)
     args = ppo.Args(env_id="BreakoutNoFrameskip-v4", num_envs=8, num_steps=128, num_minibatches=4, update_epochs=1,
                     total_timesteps=2 * 8 * 128, log_every=2, checkpoint_every=0, clip_reward=True,
                     bootstrap_truncated=False, progress=False, run_dir=str(tmp_path))
@@ -350,3 +350,118 @@ def test_ppo_on_atari_logs_the_mean_game_score_and_length(tmp_path):
     assert len(counter.scores) >= 5  # random play loses a game in about 175 steps
     assert logged["charts/episodic_return"] == pytest.approx(np.mean(counter.scores))
     assert logged["charts/episodic_length"] == pytest.approx(np.mean(counter.lengths))
+
+
+# ------------------------------------------------------------------ host envs: one call per step, env buffers
+def reference_rollouts(envs, agent, args, iterations: int) -> list:
+    """CleanRL's rollout loop, key by key, with the same random numbers (`ppo.draw_noise`) and the final
+    observations' values: per iteration, what the rollout stores of each step and the last observation's value."""
+    obs, rollouts = envs.reset(seed=args.seed), []
+    for _ in range(iterations):
+        noise, steps = ppo.draw_noise(envs, args.num_steps, torch.device("cpu"))[0], []
+        for t in range(args.num_steps):
+            action, logprob, value = ppo.policy(agent, obs, noise[t])
+            out = envs.step(action)
+            steps.append(dict(obs=obs, actions=action, logprobs=logprob, values=value, rewards=out["reward"],
+                              terminated=out["terminated"], truncated=out["truncated"],
+                              final_values=agent.get_value(out["final_obs"]), episode_return=out["episode_return"],
+                              episode_length=out["episode_length"].float()))
+            obs = out["next_obs"]
+        rollouts.append((TensorDict({k: torch.stack([s[k] for s in steps]) for k in steps[0]}), agent.get_value(obs)))
+    return rollouts
+
+
+def stepwise_rollouts(envs, agent, args, iterations: int, accel=leanrl.Acceleration()) -> list:
+    storage = ppo.make_storage(envs, args, torch.device("cpu"))
+    collect = ppo.stepwise_rollout(accel, functools.partial(ppo.policy, agent), agent.get_value, args, envs, storage,
+                                   envs.reset(seed=args.seed))
+    rollouts = []
+    for _ in range(iterations):
+        collect()
+        rollouts.append((storage[:-1].clone(), storage["values"][-1].clone()))
+    return rollouts
+
+
+def host_envs(env_id: str, num_envs: int, buffers: int, seed: int):
+    return leanrl.EnvBuffers.of(functools.partial(make_env, env_id), num_envs, buffers, seed=seed)
+
+
+HOST_IDS = ["CartPole-v1", pytest.param("BreakoutNoFrameskip-v4", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ale_py") is None, reason="the atari extra is not installed"))]
+
+
+@pytest.mark.parametrize("env_id", HOST_IDS)
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_a_host_rollout_stores_what_cleanrls_loop_stores(env_id, buffers):
+    """One call per step (the previous step's outcome stored with the next action) over two iterations, episode
+    ends and the rollout boundary included: with one buffer exactly CleanRL's loop on the same envs; with two
+    buffers (each stepping in the background while the policy acts on the other) the same transitions."""
+    args = ppo.Args(env_id=env_id, seed=3, num_envs=4, num_steps=64, num_env_buffers=buffers, clip_reward=False)
+    torch.manual_seed(0)
+    probe = make_env(env_id, 4, seed=3)
+    agent = ppo.make_agent(probe.single_observation_space, probe.single_action_space).requires_grad_(False)
+    probe.close()
+    results = []
+    for make in (functools.partial(reference_rollouts, make_env(env_id, 4, seed=3)),
+                 functools.partial(stepwise_rollouts, host_envs(env_id, 4, buffers, seed=3))):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            results.append(make(agent, args, iterations=2))
+    ended = 0
+    for (expected, last_value), (stored, stored_last_value) in zip(*results):
+        ended += int((expected["episode_length"] > 0).sum())
+        for key in expected.keys():
+            if buffers == 1:
+                assert torch.equal(stored[key].to(expected[key].dtype), expected[key]), key
+            else:  # a policy's batch of 2 rounds as one of 4 does, within float error
+                torch.testing.assert_close(stored[key].to(expected[key].dtype), expected[key], rtol=1e-5, atol=1e-5,
+                                           msg=key)
+        torch.testing.assert_close(stored_last_value, last_value, rtol=1e-5, atol=1e-5)
+    assert ended > 0
+
+
+def test_a_compiled_host_step_stores_what_the_eager_one_stores():
+    """--compile on a CPU with host envs in two buffers: each buffer's step one compiled graph (policy, critic,
+    storing), the same storage as eager over two iterations."""
+    args = ppo.Args(env_id="CartPole-v1", seed=3, num_envs=4, num_steps=64, num_env_buffers=2)
+    torch.manual_seed(0)
+    probe = make_env("CartPole-v1", 1)
+    agent = ppo.make_agent(probe.single_observation_space, probe.single_action_space).requires_grad_(False)
+    results = []
+    for accel in (leanrl.Acceleration(), leanrl.Acceleration(compile=True)):
+        torch.manual_seed(1)
+        results.append(stepwise_rollouts(host_envs("CartPole-v1", 4, 2, seed=3), agent, args, 2, accel))
+    for (eager, eager_last), (compiled, compiled_last) in zip(*results):
+        for key in eager.keys():
+            torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-5, msg=key)
+        torch.testing.assert_close(compiled_last, eager_last, rtol=1e-5, atol=1e-5)
+
+
+def test_ppo_with_env_buffers_is_deterministic_and_resumes(tmp_path):
+    """Two buffers of gymnasium envs (each stepped by a thread of its own): two runs from one seed end with the
+    same parameters; a checkpoint of the buffered envs resumes."""
+    def run(name, on_iteration=None, **kw):
+        args = ppo.Args(**{**CARTPOLE, "env_id": "CartPole-v1", "num_envs": 4, "num_env_buffers": 2, "num_steps": 32,
+                           "total_timesteps": 3 * 128, "run_dir": str(tmp_path / name), **kw})
+        envs = host_envs(args.env_id, args.num_envs, args.num_env_buffers, seed=args.seed)
+        try:
+            return ppo.train(args, envs, torch.device("cpu"), on_iteration=on_iteration)
+        finally:
+            envs.close()
+
+    first, second = run("a"), run("b")
+    for (name, a), b in zip(first.agent.named_parameters(), second.agent.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert run("c", on_iteration=lambda iteration, step: iteration == 2).global_step == 2 * 128
+    (ckpt,) = (tmp_path / "c").glob("*/checkpoint.pt")
+    assert run("c", resume=str(ckpt)).global_step == 3 * 128
+
+
+def test_env_buffers_fail_clearly_where_they_cannot_work():
+    with pytest.raises(leanrl.UsageError, match="num_envs = 6 is not divisible by num_env_buffers = 4"):
+        ppo.check_args(ppo.Args(num_envs=6, num_env_buffers=4))
+    with pytest.raises(leanrl.UsageError, match="on-device env"):
+        host_envs("torch/CartPole-v1", 4, 2, seed=0)
+    args = ppo.Args(env_id="CartPole-v1", num_envs=4, num_steps=32, num_env_buffers=2, progress=False)
+    with pytest.raises(leanrl.UsageError, match="envs in 1 buffers, num_env_buffers = 2"):
+        ppo.train(args, make_env("CartPole-v1", 4), torch.device("cpu"))
