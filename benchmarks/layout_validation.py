@@ -3,10 +3,10 @@
     python benchmarks/layout_validation.py [--total-timesteps 24000] [--quick]
 
 Each setting is calibrated right before its run, on the same machine (the speed of shared cores drifts): (1) a
-collector's rollout time with the slow env of the setting (`ppo.stepwise_rollout`: policy, env and sleep overshoot included),
-as an empirical distribution, measured with as many collector processes rolling out at once as the setting runs (on
-a CPU they share the cores; with this env, which mostly sleeps, that moved the mean by less than 2 % from a lone
-collector's); (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its pieces:
+collector's rollout time with the slow env of the setting (`ppo.stepwise_rollout`: policy, env and sleep overshoot
+included), as an empirical distribution, measured with as many collector processes rolling out at once as the setting
+runs (on a CPU they share the cores; with this env, which mostly sleeps, that moved the mean by less than 2 % from a
+lone collector's); (2) the trainer's time per batch (what `ppo_async.train` does with a batch, built from its pieces:
 GAE, the flat batch, the proximal log-probs and the update epochs with `ppo_async.make_loss`) on a real collected
 batch; (3) the handoff h, the loop's latency beyond (1) and (2) (transport, weight pickup, wake-ups, logging), from
 one run of its own setting in which rollouts and updates strictly alternate. The planner (closed form and simulator)
