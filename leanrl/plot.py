@@ -172,10 +172,12 @@ def seeds_text(c: Curve) -> str:
 
 
 def default_labels(curves: list[Curve], keys: list[str]) -> None:
-    """`exp_name (env_id)`, the flags whose values tell this curve from the others drawn with it, and its seeds."""
-    differ = [k for k in keys if k not in ("env_id", "exp_name")
-              and len({repr(c.runs[0].config.get(k)) for c in curves}) > 1]
+    """`exp_name (env_id)`, the flags whose values tell this curve from the others of its experiment and env drawn
+    with it (another experiment's are told apart by its name), and its seeds."""
     for c in curves:
+        peers = [d for d in curves if (d.exp_name, d.env_id) == (c.exp_name, c.env_id)]
+        differ = [k for k in keys if k not in ("env_id", "exp_name")
+                  and len({repr(d.runs[0].config.get(k)) for d in peers}) > 1]
         flags = "".join(f", {k}={c.runs[0].config.get(k)}" for k in differ)
         c.label = f"{c.exp_name} ({c.env_id}){flags}, {seeds_text(c)}"
 
@@ -260,10 +262,9 @@ def plot_runs(paths: list[str], metric: str, out: str, spread: str = "std", smoo
     ax.legend(title=title if several else None, fontsize="small", title_fontsize="small", loc="upper center",
               bbox_to_anchor=(0.5, -0.14), frameon=False)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=100, bbox_inches="tight")  # the image grows to hold the legend below the axes
     return out
 
 

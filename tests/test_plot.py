@@ -115,7 +115,7 @@ def test_plot_runs_writes_a_png(runs, tmp_path):
     assert plot.plot_runs([str(runs)], METRIC, str(out), spread="minmax", smooth=2) == str(out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(out)
-    assert image.shape[1] == 600 and image.shape[0] > 400  # 6 inches wide at 100 dpi, the legend below
+    assert image.shape[1] > 400 and image.shape[0] > 400  # 6 inches at 100 dpi cropped to what is drawn, the legend
     assert image[..., :3].std() > 0.05  # something was drawn on the white
 
 
@@ -175,6 +175,10 @@ def test_a_curve_counts_distinct_seeds_and_its_flags_make_it(tmp_path):
     assert same.label == "a (toy/Env-v0), async_=False, learning_rate=0.001, 3 runs of 1 seed"
     assert lr.label == "a (toy/Env-v0), async_=False, learning_rate=0.0003, 1 seed"
     assert asynchronous.label == "a (toy/Env-v0), async_=True, learning_rate=0.001, 1 seed"
+    # another experiment in the same plot is told apart by its name: neither its flags nor theirs join the labels
+    write_run(tmp_path, "toy-Env-v0__b__1__1700000030", rows, flags(1, exp_name="b", learning_rate=0.1))
+    *_, other = plot.load_curves([str(tmp_path)], METRIC)
+    assert other.label == "b (toy/Env-v0), 1 seed"
 
 
 def test_each_run_keeps_its_end_and_the_mean_says_where_it_stops(tmp_path):
