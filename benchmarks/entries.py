@@ -204,6 +204,15 @@ ENTRIES = {
     # Its compile is the longest: `gae` unrolls a 2048-step loop.
     "ppo_continuous": Entry(ppo, ppo_continuous.DEFAULTS, plain_envs("gamma"), ppo_calls,
                             quick=dict(num_steps=64, num_minibatches=2, update_epochs=2)),
+    # 8 MuJoCo envs stepped together in this process, against two buffers of 4 in worker processes that step while
+    # the policy acts on the other buffer (gymnasium's AsyncVectorEnv; a machine's cores decide which is faster).
+    "ppo_continuous_8envs": Entry(ppo, ppo_continuous.DEFAULTS, plain_envs("gamma"), ppo_calls,
+                                  overrides=dict(num_envs=8), quick=dict(num_steps=64, num_minibatches=2,
+                                                                         update_epochs=2)),
+    "ppo_continuous_async_envs": Entry(ppo, ppo_continuous.DEFAULTS, plain_envs("gamma", "vectorization_mode"),
+                                       ppo_calls, overrides=dict(num_envs=8, num_env_buffers=2,
+                                                                 vectorization_mode="async"),
+                                       quick=dict(num_steps=64, num_minibatches=2, update_epochs=2)),
 }
 
 SCALING = {

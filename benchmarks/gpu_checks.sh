@@ -16,10 +16,11 @@ set -u
 # STEP_COSTS_S: calls and time per env step (benchmarks/step_costs.py) of the entries issue 60 measures on a GPU.
 # ALGOS: the entries whose four-mode GPU table is wanted most, first: issue 60's end-to-end goals (TD3 and SAC under
 # compile + graphs against h200's 430 and 350 env-steps/s, PPO-Atari (in two env buffers) against h100's 2,611), then
-# the missing ones.
+# the missing ones, then 8 MuJoCo envs in this process against two buffers in worker processes (16 cores, not 2).
+MUJOCO_BUFFERS=ppo_continuous_8envs,ppo_continuous_async_envs
 : "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=150}" "${GRPO_S:=0}" "${GRPO_SYNC:=0}" "${SAMPLER_S:=0}" \
   "${TESTS:=cuda or graph or compile}" "${SMOLLM2_S:=0}" "${STEP_COSTS_S:=150}" \
-  "${ALGOS=td3_continuous,sac_continuous,ppo_atari,ppo_atari_1buffer,ppo_continuous,dqn_atari}" \
+  "${ALGOS=td3_continuous,sac_continuous,ppo_atari,ppo_atari_1buffer,ppo_continuous,dqn_atari,$MUJOCO_BUFFERS}" \
   "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
 # A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (an H100 lease's second call

@@ -3,6 +3,9 @@
 Continuous-action ids get CleanRL's ppo_continuous_action recipe: raw episode statistics, clipped
 actions, observations normalized and clipped to [-10, 10], rewards normalized and clipped to [-10, 10].
 Statistics are shared by all sub-envs, and saved in checkpoints. Discrete-action ids get only the episode statistics.
+The sub-envs step in this process (gymnasium's SyncVectorEnv), or with `vectorization_mode="async"` each in a worker
+process of its own (`leanrl.gym_adapter.SendingAsyncVectorEnv`, observations in shared memory): sync by default, as
+on a few cores worker processes cost more than they overlap.
 
 With `video_folder`, sub-env 0 is made with render_mode="rgb_array" and wrapped in gymnasium's RecordVideo, which
 writes every one of its episodes that ends there as an mp4 (moviepy; see `RecordEndedEpisodes`); the other sub-envs
@@ -11,6 +14,7 @@ MuJoCo with OpenGL: on a Linux machine without a display MUJOCO_GL defaults to "
 GLFW, which fails there and does not fall back), unless MUJOCO_GL or PYOPENGL_PLATFORM is set. If nothing can
 render, make_env says so at once.
 """
+import functools
 import os
 import re
 import sys
@@ -24,7 +28,7 @@ from gymnasium.wrappers import vector as vector_wrappers
 from gymnasium.wrappers.utils import RunningMeanStd
 
 from leanrl.cli import MissingExtra, UsageError, missing_extra
-from leanrl.gym_adapter import TorchVectorEnv
+from leanrl.gym_adapter import SendingAsyncVectorEnv, TorchVectorEnv
 
 
 # gymnasium's MuJoCo models set `settotalmass`, which MuJoCo 4 compiles with a deprecation warning for every env made:
@@ -49,15 +53,22 @@ class GymEnv(TorchVectorEnv):
     def __init__(self, env_id: str, num_envs: int, device="cpu", seed: int = 0,
                  normalize_obs: bool | None = None, normalize_reward: bool | None = None,
                  clip_action: bool | None = None, gamma: float = 0.99, clip: float = 10.0, video_folder=None,
-                 **make_kwargs):
+                 vectorization_mode: str = "sync", **make_kwargs):
         """normalize_obs / normalize_reward / clip_action default to True for Box action spaces, False otherwise;
         off-policy methods (TD3, SAC, whose actions are in the bounds already) pass False, as CleanRL's. `gamma` is
         the reward normalizer's discount. `video_folder`: record every episode of sub-env 0 there as mp4 (see
-        above)."""
+        above). `vectorization_mode`: "sync" or "async" (see above)."""
+        if vectorization_mode not in ("sync", "async"):
+            raise UsageError(f"vectorization_mode {vectorization_mode!r}: 'sync' or 'async'")
+        if video_folder is not None and vectorization_mode == "async":
+            raise UsageError("video_folder records sub-env 0 in this process: vectorization_mode 'sync'")
         if "mujoco" in str(gym.spec(env_id).entry_point):
             _quiet_mujoco()
-        try:  # sync: on a few cores, worker processes cost more than they overlap
-            if video_folder is None:
+        try:
+            if vectorization_mode == "async":
+                env = SendingAsyncVectorEnv([functools.partial(gym.make, env_id, **make_kwargs)] * num_envs,
+                                            autoreset_mode=AutoresetMode.SAME_STEP)
+            elif video_folder is None:
                 env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                    vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}, **make_kwargs)
             else:

@@ -9,8 +9,8 @@ episode_length}`: with SAME_STEP autoreset `next_obs` is already reset where an 
 are raw: recorded by the env's own `RecordEpisodeStatistics` when it has one (below any reward wrapper), else by
 one added here. `state_dict()` is empty: a host simulator's episodes cannot be restored, so a resumed run starts
 new episodes (subclasses add what can be restored, e.g. normalization statistics). `send(action)` then `recv()` is
-`step(action)` in two halves; with `background` (set by `leanrl.EnvBuffers`) a thread of the env's own steps it
-between the two, while the caller computes.
+`step(action)` in two halves; with `background` (set by `leanrl.EnvBuffers`) the env steps between the two while
+the caller computes: a `SendingAsyncVectorEnv` in its worker processes, any other vector env on a thread of its own.
 """
 
 import queue
@@ -19,7 +19,8 @@ import threading
 import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode
+from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 
@@ -100,6 +101,17 @@ class StepToDevice:
         return packed[offset: offset + count * dtype.itemsize].view(dtype).view(shape)
 
 
+class SendingAsyncVectorEnv(AsyncVectorEnv):
+    """gymnasium's AsyncVectorEnv (each env in a worker process, observations in shared memory) whose `step`, while
+    a step sent with `step_async` is under way, waits for that step: so `leanrl.TorchVectorEnv` sends a step below
+    the vector wrappers and receives it through them."""
+
+    def step(self, actions):
+        if self._state == AsyncState.WAITING_STEP:
+            return self.step_wait()
+        return super().step(actions)
+
+
 def _records_episodes(env) -> bool:
     while env is not None:
         if isinstance(env, RecordEpisodeStatistics):
@@ -111,7 +123,7 @@ def _records_episodes(env) -> bool:
 class TorchVectorEnv:
     on_device = False  # stepped on the host: algorithms do not compile or capture `step`
     obs_dtype = torch.float32
-    background = False  # step between send and recv on a thread of this env's own (leanrl.EnvBuffers sets it)
+    background = False  # step between send and recv while the caller computes (leanrl.EnvBuffers sets it)
     _worker = None
 
     def __init__(self, env: gym.vector.VectorEnv, device="cpu"):
@@ -158,6 +170,10 @@ class TorchVectorEnv:
         if not self.background:
             self.action = action  # stepped in recv
             return
+        if isinstance(self.env.unwrapped, SendingAsyncVectorEnv):  # its workers step, recv's `step` waits for them
+            self.action = action
+            self.env.unwrapped.step_async(self._env_actions(action))
+            return
         if self._worker is None:
             self._inbox, self._outbox = queue.SimpleQueue(), queue.SimpleQueue()
             self._worker = threading.Thread(target=self._step_sent, name="leanrl-env", daemon=True)
@@ -165,12 +181,21 @@ class TorchVectorEnv:
         self._inbox.put(action)
 
     def recv(self) -> dict:
-        if not self.background:
+        if not self.background or isinstance(self.env.unwrapped, SendingAsyncVectorEnv):
             return self.step(self.action)
         out = self._outbox.get()
         if isinstance(out, BaseException):  # raised in the env's thread: raised here, with its traceback
             raise out
         return out
+
+    def _env_actions(self, action: torch.Tensor) -> np.ndarray:
+        """The actions the vector env below the wrappers steps with (after ClipAction's clipping)."""
+        actions, env = action.cpu().numpy(), self.env
+        while isinstance(env, gym.vector.VectorWrapper):
+            if isinstance(env, gym.vector.VectorActionWrapper):
+                actions = env.actions(actions)
+            env = env.env
+        return actions
 
     def _step_sent(self):
         """The env's thread: a step for each action sent, until close. The simulator's step releases the GIL
@@ -197,4 +222,6 @@ class TorchVectorEnv:
         if self._worker is not None:
             self._inbox.put(None)
             self._worker.join()
+        if getattr(self.env.unwrapped, "_state", None) == AsyncState.WAITING_STEP:
+            self.env.unwrapped.step_wait()  # a step sent and not received (gymnasium would warn)
         self.env.close()

@@ -406,17 +406,19 @@ def test_a_step_packed_for_one_device_copy_is_the_step(env_id, kwargs, device, t
     plain.close(), packed.close()
 
 
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "BreakoutNoFrameskip-v4"])
-def test_env_buffers_step_as_one_vector_env_of_their_envs(env_id):
+@pytest.mark.parametrize("env_id,kwargs", [("CartPole-v1", {}), ("CartPole-v1", {"vectorization_mode": "async"}),
+                                           ("BreakoutNoFrameskip-v4", {})])
+def test_env_buffers_step_as_one_vector_env_of_their_envs(env_id, kwargs):
     """Two buffers of 2 envs, seeded on as one vector env of 4 seeds its envs: `step` (each buffer's send, then
-    each's recv, in the background) returns what the 4-env vector env returns, step for step."""
+    each's recv, in the background: ALE's threads, a gymnasium env's own thread or its worker processes) returns what
+    the 4-env vector env returns, step for step."""
     if env_id.startswith("Breakout"):
         pytest.importorskip("ale_py")
     import functools
 
     import leanrl
     one = make_env(env_id, 4, seed=5)
-    buffers = leanrl.EnvBuffers.of(functools.partial(make_env, env_id), 4, 2, seed=5)
+    buffers = leanrl.EnvBuffers.of(functools.partial(make_env, env_id, **kwargs), 4, 2, seed=5)
     torch.testing.assert_close(buffers.reset(), one.reset())
     generator = torch.Generator().manual_seed(0)
     ended = 0
@@ -431,17 +433,47 @@ def test_env_buffers_step_as_one_vector_env_of_their_envs(env_id):
     buffers.close()
 
 
-def test_an_error_in_an_env_stepping_in_the_background_is_raised_by_recv():
-    """A gymnasium env stepped by its own thread (a buffer's): its exception reaches the caller at `recv`, with its
-    traceback, and the env closes."""
+def test_async_gymnasium_buffers_step_as_threaded_ones(recwarn):
+    """MuJoCo in two buffers: each buffer's envs in worker processes (gymnasium's AsyncVectorEnv) step as on the
+    buffer's thread, through the same wrappers (actions clipped, observations and rewards normalized per buffer);
+    a buffer closed with a step sent and not received closes without a warning."""
+    pytest.importorskip("mujoco")
+    import functools
+
     import leanrl
+    threaded = leanrl.EnvBuffers.of(functools.partial(make_env, "HalfCheetah-v5"), 4, 2, seed=5)
+    processes = leanrl.EnvBuffers.of(functools.partial(make_env, "HalfCheetah-v5", vectorization_mode="async"), 4, 2,
+                                     seed=5)
+    assert isinstance(processes.buffers[0].env.unwrapped, leanrl.gym_adapter.SendingAsyncVectorEnv)
+    torch.testing.assert_close(processes.reset(), threaded.reset())
+    generator, ended = torch.Generator().manual_seed(0), 0
+    for _ in range(1010):  # past the end of an episode (1,000 steps): the final observations
+        action = 2 * torch.randn(4, 6, generator=generator)  # outside the bounds: clipped
+        expected, got = threaded.step(action), processes.step(action)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], msg=key)
+        ended += int((expected["episode_length"] > 0).sum())
+    assert ended == 4
+    processes.buffers[0].send(action[:2])
+    threaded.close()
+    processes.close()
+    assert not [w for w in recwarn if "pending call" in str(w.message)]
+
+
+@pytest.mark.parametrize("vector_env", ["SyncVectorEnv", "SendingAsyncVectorEnv"])
+def test_an_error_in_an_env_stepping_in_the_background_is_raised_by_recv(vector_env):
+    """A gymnasium env stepped in the background (a buffer's: on its own thread, or in a worker process): its
+    exception reaches the caller at `recv`, and the env closes."""
+    import leanrl
+    from leanrl.gym_adapter import SendingAsyncVectorEnv
 
     class Breaks(gym.Wrapper):
         def step(self, action):
             raise RuntimeError("the simulator broke")
 
-    env = leanrl.TorchVectorEnv(gym.vector.SyncVectorEnv(
-        [lambda: Breaks(gym.make("CartPole-v1"))], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
+    make = {"SyncVectorEnv": gym.vector.SyncVectorEnv, "SendingAsyncVectorEnv": SendingAsyncVectorEnv}[vector_env]
+    env = leanrl.TorchVectorEnv(make([lambda: Breaks(gym.make("CartPole-v1"))],
+                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP))
     env.background = True
     env.reset(seed=0)
     env.send(torch.zeros(1, dtype=torch.long))

@@ -44,6 +44,18 @@ def test_script_runs_in_every_mode(script, mode, tmp_path):
     assert (metrics.parent / "checkpoint.pt").is_file()
 
 
+@pytest.mark.parametrize("env", [
+    ["--env-id", "torch/Pendulum-v1"],
+    ["--num-envs", "2", "--num-env-buffers", "2", "--vectorization-mode", "async"]])  # HalfCheetah
+def test_continuous_script_steps_torch_envs_and_gymnasium_envs_in_worker_processes(env, tmp_path):
+    if "async" in env:
+        pytest.importorskip("mujoco")
+    proc = run_script("ppo_continuous.py", SCRIPTS["ppo_continuous.py"] + env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    assert json.loads(open(metrics).readlines()[-1])["global_step"] == 2048
+
+
 def test_unknown_env_id_fails_before_any_compile(tmp_path):
     proc = run_script("ppo_cartpole.py", ["--env-id", "torch/CartPoleX-v9", "--compile"], tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
