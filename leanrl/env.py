@@ -132,8 +132,12 @@ class EnvBuffers:
         return {key: torch.cat([out[key] for out in outs]) for key in outs[0]}
 
     def statistics(self) -> dict:
-        """The first buffer's (each buffer keeps its own normalizers, as a run of its envs alone would)."""
-        return self.buffers[0].statistics()
+        """Each buffer keeps its own normalizers (as a run of its envs alone would); new envs get the statistics of
+        every env's observations: each running mean and variance ({"mean", "var", "count"}) pooled over the buffers,
+        as one normalizer that saw them all would have them; anything else, the first buffer's."""
+        stats = [b.statistics() for b in self.buffers]
+        return {name: _pooled([s[name] for s in stats]) if _is_running_moments(first) else first
+                for name, first in stats[0].items()}
 
     def load_statistics(self, statistics: dict) -> None:
         for b in self.buffers:
@@ -149,3 +153,16 @@ class EnvBuffers:
     def close(self) -> None:
         for b in self.buffers:
             b.close()
+
+
+def _is_running_moments(x) -> bool:
+    return isinstance(x, dict) and x.keys() == {"mean", "var", "count"}
+
+
+def _pooled(moments: list[dict]) -> dict:
+    """Running means and variances of disjoint samples as those of their union (Chan et al.'s parallel update)."""
+    count = torch.stack([m["count"] for m in moments])
+    mean, var = torch.stack([m["mean"] for m in moments]), torch.stack([m["var"] for m in moments])
+    weight = (count / count.sum()).view(-1, *[1] * (mean.dim() - 1))
+    pooled_mean = (weight * mean).sum(0)
+    return {"mean": pooled_mean, "var": (weight * (var + (mean - pooled_mean) ** 2)).sum(0), "count": count.sum()}

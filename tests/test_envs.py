@@ -460,6 +460,30 @@ def test_async_gymnasium_buffers_step_as_threaded_ones(recwarn):
     assert not [w for w in recwarn if "pending call" in str(w.message)]
 
 
+def test_env_buffers_statistics_are_those_of_one_normalizer_over_all_their_envs():
+    """Each buffer normalizes with its own running statistics; `statistics()` (what an evaluation's envs load) pools
+    them: equal to those of one 4-env vector env of the same seeds, whose one normalizer saw every env's
+    observations and returns."""
+    import functools
+
+    import leanrl
+    one = make_env("Pendulum-v1", 4, seed=5)
+    buffers = leanrl.EnvBuffers.of(functools.partial(make_env, "Pendulum-v1"), 4, 2, seed=5)
+    one.reset(), buffers.reset()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        action = 2 * torch.rand(4, 1, generator=generator) - 1
+        one.step(action), buffers.step(action)
+    expected, got = one.statistics(), buffers.statistics()
+    assert expected.keys() == got.keys() == {"obs_rms", "return_rms"}
+    assert not torch.allclose(buffers.buffers[0].statistics()["obs_rms"]["mean"], expected["obs_rms"]["mean"])
+    for name in expected:
+        for key in ("mean", "var"):  # (each normalizer starts from a prior of count 1e-4)
+            torch.testing.assert_close(got[name][key], expected[name][key], rtol=1e-5, atol=1e-7, msg=name + key)
+        assert abs(float(got[name]["count"]) - float(expected[name]["count"])) < 1e-3
+    one.close(), buffers.close()
+
+
 @pytest.mark.parametrize("vector_env", ["SyncVectorEnv", "SendingAsyncVectorEnv"])
 def test_an_error_in_an_env_stepping_in_the_background_is_raised_by_recv(vector_env):
     """A gymnasium env stepped in the background (a buffer's: on its own thread, or in a worker process): its
