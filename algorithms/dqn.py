@@ -204,11 +204,14 @@ class DQN:
     """The Q-network, its target, the optimizer and the global step the policy's schedule reads. `q_inference` is a
     weightless copy that reads the Q-network's weights: an alias without autograd history."""
 
-    def __init__(self, obs_space, act_space, args: Args, device, update_accel=None):
-        """`update_accel`: how the update runs (`leanrl.Acceleration`; the run's flags by default): an eager update
-        steps the fused Adam."""
+    def __init__(self, obs_space, act_space, args: Args, device):
         self.q_network = make_q_network(obs_space, act_space, device)
         self.num_actions, self.frame_stack = int(act_space.n), len(obs_space.shape) == 3
+        # how the update runs, decided before the optimizer is made (an eager update steps the fused Adam)
+        self.update_accel = leanrl.Acceleration.of(args, device)
+        if self.frame_stack:
+            self.update_accel = self.update_accel.eager_on_cpu("DQN's CNN update",
+                                                               "compiled, its convolutions run slower than eager")
         self.q_inference = make_q_network(obs_space, act_space, "meta")
         from_module(self.q_network).data.to_module(self.q_inference)
         self.q_inference.requires_grad_(False)  # to_module made its slots Parameters again
@@ -217,7 +220,7 @@ class DQN:
         self.target.update_(self.online)
         self.q_named = dict(self.q_network.named_parameters())
         self.optimizer = leanrl.make_adam(list(self.q_named.values()), args.learning_rate,
-                                          **(update_accel or leanrl.Acceleration.of(args, device)).flags)
+                                          **self.update_accel.flags)
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # the global step, advanced by the policy
 
     def parts(self) -> dict:  # what a checkpoint keeps (leanrl.state_of), loaded in place (leanrl.load_in_place)
@@ -232,11 +235,7 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
     resumed = args.resume and leanrl.load_checkpoint(args.resume, args, ("learning_starts",))
     device = torch.device(device or leanrl.resolve_device(args.device))
     leanrl.seed_everything(args.seed, args.torch_deterministic)
-    # how the update runs, decided before the optimizer is made: an eager update steps the fused Adam
-    accel = leanrl.Acceleration.of(args, device)
-    update_accel = accel.eager_on_cpu("DQN's CNN update", "compiled, its convolutions run slower than eager") \
-        if len(obs_space.shape) == 3 else accel
-    dqn = DQN(obs_space, act_space, args, device, update_accel)  # (an unsuitable env's error: before the run dir)
+    dqn = DQN(obs_space, act_space, args, device)  # (an unsuitable env's error: before the run directory exists)
     leanrl.set_threads(args.threads, dqn.q_network)  # before the first compiled call
     run_dir = leanrl.make_run_dir(args, args.env_id)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
@@ -258,7 +257,8 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         burn_in=burn_in(args, global_step, fill_start, leanrl.WARMUP + 1,
                         lambda a, b: leanrl.crossings(a, b, args.train_frequency)))
 
-    # ---- how each phase runs: every decision of the execution mode, here and above (the update's) ----
+    # ---- how each phase runs: every decision of the execution mode, here and in DQN (the update's) ----
+    accel, update_accel = leanrl.Acceleration.of(args, device), dqn.update_accel
     act = accel.eager_on_cpu("DQN's policy", "one observation at a time, compiling costs more than it saves")(
         partial(policy, dqn, args), name="policy")
     if replay.device != device:  # a buffer in host memory (a large Atari one): the step's storing and sampling

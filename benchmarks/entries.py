@@ -111,15 +111,14 @@ def dqn_calls(args, envs, device) -> dict:
     """DQN's policy and its learner's step with one update (store, sample, the gradient step). Calling the policy
     advances its step counter (and so epsilon), as acting would."""
     obs_space, act_space = envs.single_observation_space, envs.single_action_space
-    policy_accel = leanrl.Acceleration.of(args, device)
-    accel = policy_accel.eager_on_cpu("DQN's CNN update", "compiled, its convolutions run slower than eager") \
-        if len(obs_space.shape) == 3 else policy_accel
-    learner = dqn.DQN(obs_space, act_space, args, device, accel)
+    learner = dqn.DQN(obs_space, act_space, args, device)
+    accel = learner.update_accel
     leanrl.set_threads(args.threads, learner.q_network, quiet=True)
     replay = leanrl.Replay.of_transitions(args, obs_space, act_space, args.buffer_device or device, envs.obs_dtype,
                                           (1, *obs_space.shape[1:]) if learner.frame_stack else None)
-    policy = policy_accel.eager_on_cpu("DQN's policy", "one observation at a time, compiling costs more than it "
-                                       "saves")(partial(dqn.policy, learner, args), name="policy")
+    policy = leanrl.Acceleration.of(args, device).eager_on_cpu(
+        "DQN's policy", "one observation at a time, compiling costs more than it saves")(
+        partial(dqn.policy, learner, args), name="policy")
     if replay.device != device:
         gradient_step = accel(partial(dqn.gradient_step, learner, args), name="gradient_step")
         fast = leanrl.Acceleration()

@@ -14,9 +14,10 @@ set -u
 # SAMPLER_S: h200's decode table is from 2026-11-26 (benchmarks/results/h200): give it 90 s after a sampler change.
 # GRPO_SYNC=1 runs sync GRPO before the async run (measured on an H200 and an H100: benchmarks/results/*/grpo_arith.md).
 # STEP_COSTS_S: calls and time per env step (benchmarks/step_costs.py) of the entries issue 60 measures on a GPU.
-# ALGOS: the entries whose four-mode GPU table is wanted most, first: issue 60's end-to-end goals (TD3 and SAC under
-# compile + graphs against h200's 430 and 350 env-steps/s, PPO-Atari (in two env buffers) against h100's 2,611), then
-# the missing ones, then 8 MuJoCo envs in this process against two buffers in worker processes (16 cores, not 2).
+# ALGOS: the entries whose four-mode GPU table is wanted most, first: issue 60's end-to-end goals (TD3, SAC and
+# PPO-Atari in two env buffers under compile + graphs, against the GPU tables in benchmarks/results/), then the
+# missing ones, then 8 MuJoCo envs in this process against two buffers in worker processes (with many cores the
+# background may pay).
 MUJOCO_BUFFERS=ppo_continuous_8envs,ppo_continuous_async_envs
 : "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=150}" "${GRPO_S:=0}" "${GRPO_SYNC:=0}" "${SAMPLER_S:=0}" \
   "${TESTS:=cuda or graph or compile}" "${SMOLLM2_S:=0}" "${STEP_COSTS_S:=150}" \

@@ -141,6 +141,7 @@ class TorchVectorEnv:
         self.single_action_space = env.single_action_space
         self.env = env if _records_episodes(env) else RecordEpisodeStatistics(env)
         self.num_envs, self.device = env.num_envs, torch.device(device)
+        self.processes = isinstance(env.unwrapped, SendingAsyncVectorEnv)  # in the background: its worker processes
         self.to_device = StepToDevice(device)
 
     def normalize_obs(self, obs: np.ndarray, update: bool) -> np.ndarray:
@@ -170,7 +171,7 @@ class TorchVectorEnv:
         if not self.background:
             self.action = action  # stepped in recv
             return
-        if isinstance(self.env.unwrapped, SendingAsyncVectorEnv):  # its workers step, recv's `step` waits for them
+        if self.processes:  # its workers step, recv's `step` waits for them
             self.action = action
             self.env.unwrapped.step_async(self._env_actions(action))
             return
@@ -181,7 +182,7 @@ class TorchVectorEnv:
         self._inbox.put(action)
 
     def recv(self) -> dict:
-        if not self.background or isinstance(self.env.unwrapped, SendingAsyncVectorEnv):
+        if not self.background or self.processes:
             return self.step(self.action)
         out = self._outbox.get()
         if isinstance(out, BaseException):  # raised in the env's thread: raised here, with its traceback
@@ -222,6 +223,6 @@ class TorchVectorEnv:
         if self._worker is not None:
             self._inbox.put(None)
             self._worker.join()
-        if getattr(self.env.unwrapped, "_state", None) == AsyncState.WAITING_STEP:
+        if self.processes and self.env.unwrapped._state == AsyncState.WAITING_STEP:
             self.env.unwrapped.step_wait()  # a step sent and not received (gymnasium would warn)
         self.env.close()

@@ -19,16 +19,15 @@ class Args(ppo_async.Args):
     step while the policy acts on the other's (docs/performance.md#env-buffers)"""
 
 
-DEFAULTS = Args(exp_name="ppo_continuous", env_id="HalfCheetah-v5", total_timesteps=1_000_000,
-                          learning_rate=3e-4, num_envs=1, num_steps=2048, num_minibatches=32, update_epochs=10,
-                          clip_coef=0.2, ent_coef=0.0)
+DEFAULTS = Args(exp_name="ppo_continuous", env_id="HalfCheetah-v5", total_timesteps=1_000_000, learning_rate=3e-4,
+                num_envs=1, num_steps=2048, num_minibatches=32, update_epochs=10, clip_coef=0.2, ent_coef=0.0)
 
 if __name__ == "__main__":
     with leanrl.clean_exit():
         args = tyro.cli(Args, default=DEFAULTS, description=__doc__)
         ppo_async.check_args(args)
         gymnasium = not args.env_id.startswith("torch/")
-        if args.vectorization_mode == "async" and not (gymnasium and not args.async_):
+        if args.vectorization_mode == "async" and (args.async_ or not gymnasium):
             raise leanrl.UsageError("--vectorization-mode async: gymnasium's envs in a run without --async (a "
                                     "torch/ env steps on the device, an async collector steps its envs itself)")
         if args.capture_video:  # before anything is built
