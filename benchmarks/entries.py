@@ -194,9 +194,10 @@ ENTRIES = {
                             overrides=dict(learning_starts=256), quick=dict(batch_size=32, learning_starts=32)),
     "ppo_atari": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
                        quick=dict(num_envs=2, num_steps=16)),
-    # The same envs in one buffer, stepped together between the policy's calls (the script's two step in turns).
-    "ppo_atari_1buffer": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
-                               overrides=dict(num_env_buffers=1), quick=dict(num_envs=2, num_steps=16)),
+    # The same envs in two buffers that step in turns, each while the policy acts on the other (the script's one
+    # steps them together between the policy's calls).
+    "ppo_atari_2buffers": Entry(ppo, ppo_atari.DEFAULTS, plain_envs("sticky_actions"), ppo_calls,
+                                overrides=dict(num_env_buffers=2), quick=dict(num_envs=2, num_steps=16)),
     # 1e6 stacked Atari frames are 35 GB: a smaller buffer changes the memory, not the time of a step.
     "dqn_atari": Entry(dqn, dqn_atari.DEFAULTS, plain_envs("sticky_actions"), dqn_calls,
                        overrides=dict(learning_starts=32, buffer_size=50_000), quick=dict(buffer_size=1_000)),

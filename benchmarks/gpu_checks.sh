@@ -21,7 +21,7 @@ set -u
 MUJOCO_BUFFERS=ppo_continuous_8envs,ppo_continuous_async_envs
 : "${OUT:=/tmp/gpu-checks}" "${CACHE:=1}" "${TESTS_S:=150}" "${GRPO_S:=0}" "${GRPO_SYNC:=0}" "${SAMPLER_S:=0}" \
   "${TESTS:=cuda or graph or compile}" "${SMOLLM2_S:=0}" "${STEP_COSTS_S:=150}" \
-  "${ALGOS=td3_continuous,sac_continuous,ppo_atari,ppo_atari_1buffer,ppo_continuous,dqn_atari,$MUJOCO_BUFFERS}" \
+  "${ALGOS=td3_continuous,sac_continuous,ppo_atari,ppo_atari_2buffers,ppo_continuous,dqn_atari,$MUJOCO_BUFFERS}" \
   "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
 # A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (an H100 lease's second call
@@ -100,7 +100,7 @@ if [ "$SMOLLM2_S" != 0 ]; then  # SmolLM2-135M's GRPO learning curve, graphed (e
 fi
 if [ "$STEP_COSTS_S" != 0 ]; then
   timeout -k 10 "$STEP_COSTS_S" python benchmarks/step_costs.py --device cuda \
-    --algos td3_continuous,sac_continuous,ppo_atari,ppo_atari_1buffer --modes eager,compile+cudagraphs \
+    --algos td3_continuous,sac_continuous,ppo_atari,ppo_atari_2buffers --modes eager,compile+cudagraphs \
     > "$OUT/step_costs.log" 2>&1
   tail -n 12 "$OUT/step_costs.log"
   save_cache

@@ -63,6 +63,7 @@ class Timed:
 def measure_one(name: str, mode: str, device, steps: int) -> dict:
     """The figures of one entry in one mode, in this process."""
     import leanrl
+    import torch
 
     totals = {"env": 0.0, "accelerated": 0.0}
     accelerate = leanrl.accelerate
@@ -125,7 +126,8 @@ def measure_one(name: str, mode: str, device, steps: int) -> dict:
     return dict(status="ok", env_ms=t["env"] / t["steps"] * 1e3, accelerated_ms=t["accelerated"] / t["steps"] * 1e3,
                 other_ms=(t["wall"] - t["env"] - t["accelerated"]) / t["steps"] * 1e3,
                 total_ms=t["wall"] / t["steps"] * 1e3, calls=c["calls"] / c["steps"], steps=t["steps"],
-                num_envs=args.num_envs, env_buffers=getattr(args, "num_env_buffers", 1))
+                num_envs=args.num_envs, env_buffers=getattr(args, "num_env_buffers", 1),
+                threads=torch.get_num_threads())
 
 
 def markdown(result: dict) -> str:
@@ -137,16 +139,17 @@ def markdown(result: dict) -> str:
              "Calls: Python-level and built-in function calls of the main thread (machine-independent, but not "
              "version-independent: they follow the torch and tensordict versions). The wall "
              "time is split into env stepping, the accelerated calls (what `leanrl.accelerate` returned: compiled "
-             "and/or graphed, or in eager mode the same functions) and the rest: the host work around them.", "",
-             "| entry | mode | envs | calls / step | ms / step | env ms | accelerated ms | other ms |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "and/or graphed, or in eager mode the same functions) and the rest: the host work around them. Threads: "
+             "torch's, as the run chose them (`leanrl.set_threads`; `OMP_NUM_THREADS=N` fixes them).", "",
+             "| entry | mode | envs | threads | calls / step | ms / step | env ms | accelerated ms | other ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, modes in result["entries"].items():
         for mode, r in modes.items():
             if r["status"] != "ok":
-                lines.append(f"| {name} | {mode} | | {r['status']}: {r.get('reason', '')[:80]} | | | | |")
+                lines.append(f"| {name} | {mode} | | | {r['status']}: {r.get('reason', '')[:80]} | | | | |")
                 continue
-            lines.append(f"| {name} | {mode} | {r['num_envs']} | {r['calls']:,.0f} | {r['total_ms']:.3f} | "
-                         f"{r['env_ms']:.3f} | {r['accelerated_ms']:.3f} | {r['other_ms']:.3f} |")
+            lines.append(f"| {name} | {mode} | {r['num_envs']} | {r['threads']} | {r['calls']:,.0f} | "
+                         f"{r['total_ms']:.3f} | {r['env_ms']:.3f} | {r['accelerated_ms']:.3f} | {r['other_ms']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,27 +5,33 @@ Every op split over threads ends at a barrier, and on a machine shared with othe
 for a peer the OS has descheduled: with another job on one of two cores, two threads were slower than one for every
 model measured, from a 9k-parameter MLP to a 135M-parameter LM, and small-model runs under heavier load were many
 times slower. On free cores, threads pay off for large models (convolutions, big matrix products) and barely for
-small ones. So: one thread below MANY_THREADS_FROM parameters; above, one per core the load average leaves free.
+small ones. So: one thread below MANY_THREADS_FROM parameters; above, one per core other jobs leave free now.
 `benchmarks/threads.py` measures it; its table is benchmarks/results/<machine>/threads.md.
 """
 
 import os
 
+import psutil
 import torch
 
 from leanrl.cli import say_once
 
 # Parameters from which a model computes on every free core this process may use; below, on one thread.
 MANY_THREADS_FROM = 1_000_000
+# How long free_cores watches the cores: a job computing now keeps its core busy over any such window.
+BUSY_WINDOW_S = 0.2
 
 
 def free_cores(processes: int = 1) -> int:
-    """The cores this process may run on that other jobs leave free (the last minute's load average), shared among
-    `processes` processes of one run on this machine (its collectors and trainer; torchrun's ranks of this node,
-    LOCAL_WORLD_SIZE), at least one."""
+    """The cores this process may run on that other jobs leave free now (their use over BUSY_WINDOW_S while this
+    process waits), shared among `processes` processes of one run on this machine (its collectors and trainer;
+    torchrun's ranks of this node, LOCAL_WORLD_SIZE), at least one. Not the load average: for a minute it still
+    counts a job that has ended, such as the command run just before."""
     processes = max(processes, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    free = len(os.sched_getaffinity(0)) - round(os.getloadavg()[0])
-    return max(1, free // processes)
+    cores = os.sched_getaffinity(0)
+    use = psutil.cpu_percent(BUSY_WINDOW_S, percpu=True)
+    busy = sum(use[c] for c in cores if c < len(use)) / 100
+    return max(1, (len(cores) - round(busy)) // processes)
 
 
 def count_parameters(*models) -> int:

@@ -316,4 +316,4 @@ def test_step_costs_splits_an_env_step_without_counting_time_twice(tmp_path):
         assert r["status"] == "ok" and r["calls"] > 10, (name, mode, r)
         assert r["env_ms"] >= 0 and r["accelerated_ms"] > 0 and r["other_ms"] >= 0, (name, mode, r)
     table = (tmp_path / "step_costs.md").read_text()
-    assert f"tensordict {result['machine']['tensordict']}" in table and "| dqn_cartpole | compile | 1 |" in table
+    assert f"tensordict {result['machine']['tensordict']}" in table and "| dqn_cartpole | compile | 1 | 1 |" in table
