@@ -7,12 +7,13 @@
 # limit), the table's entries (ALGOS, empty for none), and the tests (TESTS, a pytest -k expression). A 15-minute lease
 # fits two 10-minute-limit calls at most: the defaults, then TESTS_S=0 GRPO_S=0 SAMPLER_S=0 ALGOS=<the entries left>,
 # or SmolLM2's learning curve (SMOLLM2_S, with the wheel benchmarks/gpu_prepare.sh sends in two parts: see there).
-# A machine starts bare, so every compile is cold (GRPO's warm-up alone took 59 s on an H200). The inductor and Triton
+# A machine starts bare, so every compile is cold (GRPO's warm-up is the longest of them). The inductor and Triton
 # caches come back as $OUT/inductor.tgz (when under 15 MB): put it in .gpu-cache/ (git-ignored) and carry that folder
-# with .gpu, and the next lease starts warm (H100 and H200 share sm_90). CACHE=0 starts cold.
+# with .gpu, and the next lease starts warm (the lent kinds share one compute capability). CACHE=0 starts cold.
 set -u
-# SAMPLER_S: h200's decode table is from 2026-11-26 (benchmarks/results/h200): give it 90 s after a sampler change.
-# GRPO_SYNC=1 runs sync GRPO before the async run (measured on an H200 and an H100: benchmarks/results/*/grpo_arith.md).
+# SAMPLER_S: the GPU decode tables in benchmarks/results/ are older than the sampler's last change when it changes:
+# give it 90 s then.
+# GRPO_SYNC=1 runs sync GRPO before the async run (the tables so far: benchmarks/results/*/grpo_arith.md).
 # STEP_COSTS_S: calls and time per env step (benchmarks/step_costs.py) of the entries issue 60 measures on a GPU.
 # ALGOS: the entries whose four-mode GPU table is wanted most, first: issue 60's end-to-end goals (TD3, SAC and
 # PPO-Atari in two env buffers under compile + graphs, against the GPU tables in benchmarks/results/), then the
@@ -24,7 +25,7 @@ MUJOCO_BUFFERS=ppo_continuous_8envs,ppo_continuous_async_envs
   "${ALGOS=td3_continuous,sac_continuous,ppo_atari,ppo_atari_2buffers,ppo_continuous,dqn_atari,$MUJOCO_BUFFERS}" \
   "${SMOLLM2_FLAGS:=--device cuda --dtype bfloat16 --iterations 200 --eval-every 50 --learning-rate 5e-6}"
 mkdir -p "$OUT"
-# A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (an H100 lease's second call
+# A warm machine keeps /tmp between calls, but not .gpu/ when a call does not carry it (a lease's second call has
 # found it gone): the first call leaves there the packages .gpu/env.sh installed and SmolLM2's first part, and a call
 # without .gpu/ runs on them (the second call of benchmarks/gpu_prepare.sh).
 if [ -d .gpu/site ]; then rm -rf /tmp/gpu-site && cp -r .gpu/site /tmp/gpu-site; fi
@@ -43,7 +44,7 @@ fi
 save_cache() {  # after each phase: a call stopped at its limit keeps the compiles of the phases it finished
   [ -d /tmp/inductor-cache ] || return 0
   # Compiled code does not shrink 10x: past 150 MB the archive cannot come back, and gzip would only spend the lease
-  # (an H100 lease's cache was 144-185 MB compressed). Name its largest parts instead, to know what to leave out.
+  # (a whole lease's cache can pass that, compressed). Name its largest parts instead, to know what to leave out.
   if [ "$(du -sb --exclude precompiled_headers /tmp/inductor-cache | cut -f1)" -gt 150000000 ]; then
     echo "inductor cache: $(du -sh /tmp/inductor-cache | cut -f1), too large to bring back; its largest parts:"
     du -sh /tmp/inductor-cache/* /tmp/inductor-cache/triton/* 2>/dev/null | sort -h | tail -n 6

@@ -46,8 +46,7 @@ class Bench:
     """batches consumed by each variant"""
     max_lags: tuple[int, ...] = (1, 2)
     """async lag bounds, a variant each (where the trainer is the slower side, a larger bound adds staleness, not
-    throughput: AMD EPYC, two passes, held-out 0.27 at 2 against 0.32 at 1 and sync, at 1.38x sync's tokens/s
-    against 1.33x)"""
+    throughput: benchmarks/results/<machine>/grpo_async_vs_sync.md)"""
     transport: str = "processes"
     """async transport (processes: the collectors do not share the trainer's interpreter lock)"""
     num_collectors: int = 1

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+import torch
 
 from entries import ENTRIES, MODES, make_args
 from measure import machine_info, sync
@@ -63,7 +64,6 @@ class Timed:
 def measure_one(name: str, mode: str, device, steps: int) -> dict:
     """The figures of one entry in one mode, in this process."""
     import leanrl
-    import torch
 
     totals = {"env": 0.0, "accelerated": 0.0}
     accelerate = leanrl.accelerate

@@ -149,8 +149,8 @@ class Baton:
 def train_interleaved(runs: dict, measure_s: float):
     """End to end in turns: each mode's `train` runs in a thread of its own and hands over to the next mode
     before each timed block, so a change in the machine's load falls on every mode alike (one mode after the
-    other, the second of two identical eager TD3 runs measured 0.78x the first on cpu-2core-amd-epyc). A run
-    that raises becomes an error result and leaves `runs`."""
+    other, two identical runs on a shared machine can differ by a fifth). A run that raises becomes an error
+    result and leaves `runs`."""
     baton = Baton(runs)
 
     def run_in_turn(mode, run):
