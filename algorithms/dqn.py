@@ -207,11 +207,6 @@ class DQN:
     def __init__(self, obs_space, act_space, args: Args, device):
         self.q_network = make_q_network(obs_space, act_space, device)
         self.num_actions, self.frame_stack = int(act_space.n), len(obs_space.shape) == 3
-        # how the update runs, decided before the optimizer is made (an eager update steps the fused Adam)
-        self.update_accel = leanrl.Acceleration.of(args, device)
-        if self.frame_stack:
-            self.update_accel = self.update_accel.eager_on_cpu("DQN's CNN update",
-                                                               "compiled, its convolutions run slower than eager")
         self.q_inference = make_q_network(obs_space, act_space, "meta")
         from_module(self.q_network).data.to_module(self.q_inference)
         self.q_inference.requires_grad_(False)  # to_module made its slots Parameters again
@@ -220,7 +215,7 @@ class DQN:
         self.target.update_(self.online)
         self.q_named = dict(self.q_network.named_parameters())
         self.optimizer = leanrl.make_adam(list(self.q_named.values()), args.learning_rate,
-                                          **self.update_accel.flags)
+                                          **leanrl.Acceleration.of(args, device).flags)
         self.step = torch.zeros((), dtype=torch.int64, device=device)  # the global step, advanced by the policy
 
     def parts(self) -> dict:  # what a checkpoint keeps (leanrl.state_of), loaded in place (leanrl.load_in_place)
@@ -257,17 +252,17 @@ def train(args: Args, envs, device=None, make_eval_envs=None, on_iteration=None)
         burn_in=burn_in(args, global_step, fill_start, leanrl.WARMUP + 1,
                         lambda a, b: leanrl.crossings(a, b, args.train_frequency)))
 
-    # ---- how each phase runs: every decision of the execution mode, here and in DQN (the update's) ----
-    accel, update_accel = leanrl.Acceleration.of(args, device), dqn.update_accel
+    # ---- how each phase runs: every decision of the execution mode, here and nowhere else ----
+    accel = leanrl.Acceleration.of(args, device)
     act = accel.eager_on_cpu("DQN's policy", "one observation at a time, compiling costs more than it saves")(
         partial(policy, dqn, args), name="policy")
     if replay.device != device:  # a buffer in host memory (a large Atari one): the step's storing and sampling
         # stay eager, the update alone is accelerated
-        update, fast = update_accel(partial(gradient_step, dqn, args), name="update"), leanrl.Acceleration()
-    elif update_accel.cpu_compile:  # a CPU has no graphs: the learner's step one graph, its gradient step functions
-        update, fast = leanrl.functional_step(partial(td_loss, dqn, args), dqn.q_named, dqn.optimizer), update_accel
+        update, fast = accel(partial(gradient_step, dqn, args), name="update"), leanrl.Acceleration()
+    elif accel.cpu_compile:  # a CPU has no graphs: the learner's step one graph, its gradient step functions
+        update, fast = leanrl.functional_step(partial(td_loss, dqn, args), dqn.q_named, dqn.optimizer), accel
     else:  # zero_grad, backward, step: compiled and CUDA-graphed as a whole on a GPU
-        update, fast = partial(gradient_step, dqn, args), update_accel
+        update, fast = partial(gradient_step, dqn, args), accel
     graph = dict(compile_kwargs=leanrl.ONE_GRAPH) if fast.cpu_compile else {}
     step = partial(learn, dqn, replay, logger, update, device)
     learners = {}  # by the number of updates an env step makes (num_envs and train_frequency decide which occur)

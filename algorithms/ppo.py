@@ -392,7 +392,7 @@ def update_epochs(update, batch: tuple, indices) -> tuple:
     """`update` on every epoch's minibatches (`indices`' rows into each tensor of `batch`), one call each; the last
     one's outputs. `leanrl.scan_gradient_steps` makes the same function one compiled scan."""
     for mb_inds in indices:
-        out = update(*(x[mb_inds] for x in batch))
+        out = update(*(x.index_select(0, mb_inds) for x in batch))  # on uint8 frames faster than x[mb_inds]
     return out
 
 

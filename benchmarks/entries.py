@@ -112,7 +112,7 @@ def dqn_calls(args, envs, device) -> dict:
     advances its step counter (and so epsilon), as acting would."""
     obs_space, act_space = envs.single_observation_space, envs.single_action_space
     learner = dqn.DQN(obs_space, act_space, args, device)
-    accel = learner.update_accel
+    accel = leanrl.Acceleration.of(args, device)
     leanrl.set_threads(args.threads, learner.q_network, quiet=True)
     replay = leanrl.Replay.of_transitions(args, obs_space, act_space, args.buffer_device or device, envs.obs_dtype,
                                           (1, *obs_space.shape[1:]) if learner.frame_stack else None)

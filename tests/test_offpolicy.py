@@ -37,7 +37,7 @@ def test_a_transition_keeps_the_true_next_obs_and_a_truncation_is_no_termination
 # compiled and CUDA-graphed), against eager, from the same seed: the same replay contents and samples (compiled code
 # drawing eager's random numbers), the same updates.
 @pytest.mark.parametrize("module, env_id", [(td3, "torch/Pendulum-v1"), (sac, "torch/Pendulum-v1"),
-                                            (dqn, "torch/CartPole-v1")])
+                                            (dqn, "torch/CartPole-v1"), (dqn, "BreakoutNoFrameskip-v4")])
 def test_the_accelerated_learner_samples_and_updates_what_eager_does(module, env_id, device, tmp_path):
     results = []
     for accelerated in (False, True):

@@ -110,14 +110,15 @@ def test_policy_samples_follow_the_distribution(continuous):
 LOSS = functools.partial(ppo.ppo_loss, clip_coef=0.1, clip_vloss=True, norm_adv=True, ent_coef=0.01, vf_coef=0.5)
 
 
-def _update_fns(accelerated, continuous, device):
-    """PPO's update eager, or accelerated as a run on `device` takes it: compiled, and on CUDA in a CUDA graph."""
+def _update_fns(accelerated, continuous, device, obs_space=BOX4):
+    """PPO's agent, its update eager or accelerated as a run on `device` takes it (compiled, and on CUDA in a CUDA
+    graph), and the update's optimizer."""
     torch.manual_seed(0)
     act_space = gym.spaces.Box(-1, 1, (2,)) if continuous else gym.spaces.Discrete(3)
     accel = leanrl.Acceleration(accelerated, accelerated and device.type == "cuda", device)
-    agent = ppo.make_agent(BOX4, act_space, device=device)
+    agent = ppo.make_agent(obs_space, act_space, device=device)
     optimizer = leanrl.make_adam(agent.parameters(), 1e-3, eps=1e-5, **accel.flags)
-    return agent, accel(functools.partial(ppo.update, agent, optimizer, LOSS, 0.5))
+    return agent, accel(functools.partial(ppo.update, agent, optimizer, LOSS, 0.5)), optimizer
 
 
 @pytest.mark.parametrize("continuous", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -126,13 +127,42 @@ def test_compiled_update_matches_eager_after_k_steps(continuous, device):
     B = 64
     batches = [(torch.randn(B, 4), torch.randn(B, 2) if continuous else torch.randint(0, 3, (B,)),
                 torch.randn(B) * 0.1 - 1, torch.randn(B), torch.randn(B), torch.randn(B)) for _ in range(5)]
-    (eager_agent, eager_update), (compiled_agent, compiled_update) = _update_fns(False, continuous, device), \
+    (eager_agent, eager_update, _), (compiled_agent, compiled_update, _) = _update_fns(False, continuous, device), \
         _update_fns(True, continuous, device)
     for batch in batches:
         batch = [x.to(device) for x in batch]
         torch.testing.assert_close(compiled_update(*batch), eager_update(*batch), rtol=1e-4, atol=1e-5)
     for (name, e), c in zip(eager_agent.named_parameters(), compiled_agent.parameters()):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_the_compiled_atari_update_matches_eager(scanned, device):
+    """The Nature CNN's update on uint8 frame stacks (channels_last convolutions) as a run takes it: one compiled
+    (on a GPU also graphed) call per minibatch, or under --compile on a CPU the epochs' compiled scan. Each step
+    starts from the same state, copied in place: at this loss's curvature, rounding in one step's parameters moves
+    the next step's small gradients, which Adam's normalisation turns into large parameter differences."""
+    if scanned and device.type != "cpu":
+        pytest.skip("the scanned epochs are a CPU's")
+    torch.manual_seed(1)
+    frames, B = gym.spaces.Box(0, 255, (4, 84, 84), dtype=np.uint8), 16
+    rollout = (torch.randint(0, 256, (2 * B, 4, 84, 84), dtype=torch.uint8), torch.randint(0, 3, (2 * B,)),
+               torch.randn(2 * B) * 0.1 - 1, torch.randn(2 * B), torch.randn(2 * B), torch.randn(2 * B))
+    rollout = tuple(x.to(device) for x in rollout)
+    (eager_agent, eager_update, eager_opt), (compiled_agent, compiled_update, compiled_opt) = (
+        _update_fns(accelerated, False, device, frames) for accelerated in (False, True))
+    learn = (leanrl.scan_gradient_steps(LOSS, compiled_agent, compiled_opt, 0.5, leanrl.Acceleration(compile=True))
+             if scanned else functools.partial(ppo.update_epochs, compiled_update))
+    for mb_inds in torch.randperm(2 * B, device=device).view(2, B).repeat(2, 1):  # two epochs of two minibatches
+        torch.testing.assert_close(learn(rollout, mb_inds[None]),
+                                   ppo.update_epochs(eager_update, rollout, mb_inds[None]), rtol=1e-4, atol=1e-5)
+        for (name, e), c in zip(eager_agent.named_parameters(), compiled_agent.parameters()):
+            torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5, msg=name)
+        with torch.no_grad():
+            for e, c in zip(eager_agent.parameters(), compiled_agent.parameters()):
+                e.copy_(c)
+                for k, x in eager_opt.state[e].items():
+                    x.copy_(compiled_opt.state[c][k])
 
 
 @pytest.mark.slow
