@@ -9,8 +9,10 @@ constant: every step would write the same slot. Its checkpoint is torchrl's: `st
 `ReplayBuffer(storage=LazyTensorStorage(...)).state_dict()` holds for the same transitions, and loads into one.
 """
 
+import math
 import sys
 
+import psutil
 import torch
 
 from leanrl.cli import UsageError
@@ -56,9 +58,18 @@ class Replay:
         sampled `args.batch_size` at a time; `next_obs_shape`: where next_obs keeps less than obs (a frame stack's
         newest frame)."""
         action_dtype = torch.float32 if act_space.shape else torch.int64
-        return cls(args.buffer_size, args.batch_size, dict(
-            obs=(obs_space.shape, obs_dtype), action=(act_space.shape, action_dtype), reward=((), torch.float32),
-            next_obs=(next_obs_shape or obs_space.shape, obs_dtype), terminated=((), torch.bool)), device)
+        fields = dict(obs=(obs_space.shape, obs_dtype), action=(act_space.shape, action_dtype),
+                      reward=((), torch.float32), next_obs=(next_obs_shape or obs_space.shape, obs_dtype),
+                      terminated=((), torch.bool))
+        need = args.buffer_size * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
+        device = torch.device(device)
+        # host pages cost nothing until written, but an allocation larger than the memory fails at once
+        have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().total
+        if need > have:
+            raise UsageError(f"buffer_size = {args.buffer_size:,} transitions need {need / 2**30:.1f} GiB, more than "
+                             f"the {have / 2**30:.1f} GiB {'free on' if device.type == 'cuda' else 'of'} {device}: "
+                             "lower --buffer-size")
+        return cls(args.buffer_size, args.batch_size, fields, device)
 
     def extend(self, transition: dict) -> None:
         n = next(iter(transition.values())).shape[0]

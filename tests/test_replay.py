@@ -1,6 +1,10 @@
 """leanrl.replay: the device-resident replay memory against torchrl's (its layout and checkpoint format), its
 round-robin writes, uniform sampling and bound, in eager and compiled code; the off-policy burn-in."""
 
+from types import SimpleNamespace
+
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 import torch._inductor.config
@@ -24,6 +28,17 @@ def test_writes_round_robin_within_its_capacity():
     assert len(replay) == 5 and int(replay.cursor) == 3 and int(replay.written) == 8
     assert replay.storage["x"][:, 0].tolist() == [5.0, 6.0, 7.0, 3.0, 4.0]
     assert replay.storage["flag"].tolist() == [False, True, False, True, False]
+
+
+def test_a_buffer_larger_than_the_memory_is_a_clear_error():
+    """CleanRL's million Atari transitions on a small machine: one line naming the flag, before any allocation."""
+    args = SimpleNamespace(buffer_size=10**9, batch_size=32)
+    frames, actions = gym.spaces.Box(0, 255, (4, 84, 84), dtype=np.uint8), gym.spaces.Discrete(4)
+    with pytest.raises(leanrl.UsageError, match=r"buffer_size = 1,000,000,000 transitions need 32\d{3}\.\d GiB, "
+                                                r"more than the .* GiB of cpu: lower --buffer-size"):
+        Replay.of_transitions(args, frames, actions, "cpu", torch.uint8, (1, 84, 84))
+    small = Replay.of_transitions(SimpleNamespace(buffer_size=64, batch_size=8), frames, actions, "cpu", torch.uint8)
+    assert small.storage["obs"].shape == (64, 4, 84, 84) and small.storage["next_obs"].shape == (64, 4, 84, 84)
 
 
 def test_samples_uniformly_from_what_it_holds_only():
