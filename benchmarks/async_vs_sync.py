@@ -78,7 +78,7 @@ class Bench:
     """log-std of the step time (1.0: the slowest 1% of steps take 10x the median)"""
     update_epochs: int = 10
     machine: str | None = None
-    """results folder name (default: the machine slug benchmarks/run.py uses, e.g. cpu-2core-intel-xeon-2-50ghz)"""
+    """results folder name (default: the machine slug benchmarks/run.py uses)"""
     out_dir: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

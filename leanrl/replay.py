@@ -47,6 +47,13 @@ class Replay:
         if batch_size > capacity:
             raise ValueError(f"batch_size = {batch_size} is larger than the capacity {capacity}")
         self.capacity, self.batch_size, self.device = capacity, batch_size, torch.device(device)
+        need = capacity * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
+        # host pages cost nothing until written, but an allocation larger than the memory fails at once
+        cuda = self.device.type == "cuda"
+        have = torch.cuda.mem_get_info(self.device)[0] if cuda else psutil.virtual_memory().total
+        if need > have:
+            raise UsageError(f"buffer_size = {capacity:,} transitions need {need / 2**30:.1f} GiB, more than the "
+                             f"{have / 2**30:.1f} GiB {'free on' if cuda else 'of'} {self.device}: lower --buffer-size")
         self.storage = {name: torch.empty(capacity, *shape, dtype=dtype, device=self.device)
                         for name, (shape, dtype) in fields.items()}
         zero = dict(dtype=torch.int64, device=self.device)
@@ -58,18 +65,9 @@ class Replay:
         sampled `args.batch_size` at a time; `next_obs_shape`: where next_obs keeps less than obs (a frame stack's
         newest frame)."""
         action_dtype = torch.float32 if act_space.shape else torch.int64
-        fields = dict(obs=(obs_space.shape, obs_dtype), action=(act_space.shape, action_dtype),
-                      reward=((), torch.float32), next_obs=(next_obs_shape or obs_space.shape, obs_dtype),
-                      terminated=((), torch.bool))
-        need = args.buffer_size * sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
-        device = torch.device(device)
-        # host pages cost nothing until written, but an allocation larger than the memory fails at once
-        have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().total
-        if need > have:
-            raise UsageError(f"buffer_size = {args.buffer_size:,} transitions need {need / 2**30:.1f} GiB, more than "
-                             f"the {have / 2**30:.1f} GiB {'free on' if device.type == 'cuda' else 'of'} {device}: "
-                             "lower --buffer-size")
-        return cls(args.buffer_size, args.batch_size, fields, device)
+        return cls(args.buffer_size, args.batch_size, dict(
+            obs=(obs_space.shape, obs_dtype), action=(act_space.shape, action_dtype), reward=((), torch.float32),
+            next_obs=(next_obs_shape or obs_space.shape, obs_dtype), terminated=((), torch.bool)), device)
 
     def extend(self, transition: dict) -> None:
         n = next(iter(transition.values())).shape[0]

@@ -14,7 +14,7 @@ from leanrl import graph_threads
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the failure was CUDA's")
 def test_a_compiled_optimizer_step_compiles_in_any_thread():
     """On torch 2.11 dynamo failed to compile an optimizer step on CUDA in a thread other than the one that imported
-    inductor's CUDA graph trees (seen on an H200: every compiled benchmark turn, which runs in a thread)."""
+    inductor's CUDA graph trees (every compiled benchmark turn, which runs in a thread)."""
     import torch._inductor.cudagraph_trees  # noqa: F401  (imported here, in the main thread, as by any earlier compile)
 
     net = torch.nn.Linear(3, 2, device="cuda")
