@@ -36,9 +36,9 @@ def test_a_compiled_optimizer_step_compiles_in_any_thread():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_graphs_captured_and_replayed_in_several_threads_at_once():
     """Async GRPO's collector threads and its trainer each capture their graphs and replay them, and allocate,
-    meanwhile. Torch's default capture mode forbids another thread's cudaMalloc (an H100's failure); CUDA forbids a
-    device-wide synchronize in any thread during a capture, and CudaGraphModule does one before every replay (an
-    H200's failure). Here three threads each capture eight graphs and replay each twenty times, allocating fresh
+    meanwhile. Torch's default capture mode forbids another thread's cudaMalloc (one failure seen); CUDA forbids a
+    device-wide synchronize in any thread during a capture, and CudaGraphModule does one before every replay (the
+    other). Here three threads each capture eight graphs and replay each twenty times, allocating fresh
     memory and waiting for their own stream between calls."""
     errors, results = [], {}
     x = torch.arange(64.0, device="cuda")
